@@ -1,0 +1,161 @@
+"""The `hpcrl` command line: submit, resume, status, doctor, ui, config."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from hpcrl import commit, config, plan
+from hpcrl.config import ConfigError
+from hpcrl.rundir import RunDir, RunLockedError
+
+
+def _fail(message: str, code: int = 2) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """hpcrl: RL post-training of language models as a Slurm batch workflow."""
+
+
+def _drive(run: RunDir, exp: config.Experiment) -> None:
+    from hpcrl.controller import Controller, StageFailedError
+
+    click.echo(f"run directory: {run.root}")
+    try:
+        Controller(run, exp, echo=click.echo).run_all()
+    except RunLockedError as err:
+        _fail(str(err))
+    except StageFailedError as err:
+        _fail(str(err), 1)
+    except KeyboardInterrupt:
+        _fail(f"interrupted; continue with: hpcrl resume {run.root}", 130)
+    click.echo(f"run complete: {run.root}")
+
+
+@main.command()
+@click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
+def submit(experiment: Path) -> None:
+    """Validate EXPERIMENT (a TOML file) and run it; resubmitting continues the same run."""
+    from hpcrl import preflight, runs
+
+    try:
+        exp = config.load(experiment)
+        preflight.check(exp, str(experiment))
+        run, resumed = runs.prepare(exp, str(experiment))
+    except ConfigError as err:
+        _fail(str(err))
+    if resumed:
+        click.echo(f"resuming the existing run {exp.run.name}")
+    _drive(run, exp)
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
+def resume(run_dir: Path) -> None:
+    """Continue RUN_DIR at its first uncommitted stage."""
+    from hpcrl import runs
+
+    try:
+        run, exp = runs.open_run(run_dir)
+    except ConfigError as err:
+        _fail(str(err))
+    _drive(run, exp)
+
+
+def _stage_state(run: RunDir, k: int, stage: str) -> str:
+    d = run.stage_dir(k, stage)
+    if commit.is_committed(d):
+        m = commit.read_manifest(d)
+        return f"done {m['timings'].get('total', 0):.1f}s"
+    lock = d.parent / f".{stage}.lock"
+    if lock.exists():
+        fd = os.open(lock, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return "RUNNING"
+        finally:
+            os.close(fd)
+    return "-"
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--verify", is_flag=True, help="Check every committed file against its manifest checksums.")
+def status(run_dir: Path, verify: bool) -> None:
+    """What is committed and what is running in RUN_DIR."""
+    from hpcrl import runs
+
+    try:
+        run, exp = runs.open_run(run_dir)
+    except ConfigError as err:
+        _fail(str(err))
+    stages = ("generate", "score", "update")
+    click.echo(f"{'iter':>6}  " + "  ".join(f"{s:<12}" for s in stages) + "  reward   val")
+    problems = []
+    for k in range(exp.run.iterations + 1):
+        kinds = plan.stages_of(exp, k)
+        if not kinds:
+            continue
+        cells = [(_stage_state(run, k, s) if s in kinds else "") for s in stages]
+        metrics = {}
+        for s in kinds:
+            m = commit.read_manifest(run.stage_dir(k, s))
+            if m:
+                metrics.update(m["metrics"])
+                if verify:
+                    problems += commit.verify(run.stage_dir(k, s))
+        reward = f"{metrics['critic/score/mean']:.3f}" if "critic/score/mean" in metrics else "-"
+        val = f"{metrics['val/score']:.3f}" if "val/score" in metrics else "-"
+        click.echo(f"{k:>6}  " + "  ".join(f"{c:<12}" for c in cells) + f"  {reward:<7}  {val}")
+    nxt = plan.next_stage(run, exp)
+    click.echo("complete" if nxt is None else f"next: iteration {nxt[0]} {nxt[1]}")
+    for p in problems:
+        click.echo(f"CORRUPT: {p}", err=True)
+    if problems:
+        sys.exit(1)
+
+
+@main.command()
+def doctor() -> None:
+    """Versions, devices and backends each stage will use; non-zero exit if anything is missing."""
+    from hpcrl.doctor import report
+
+    lines, problems = report()
+    for line in lines:
+        click.echo(line)
+    for p in problems:
+        click.echo(f"problem: {p}", err=True)
+    sys.exit(1 if problems else 0)
+
+
+@main.command()
+@click.argument("runs_root", type=click.Path(file_okay=False, path_type=Path), default="runs")
+@click.option("--port", default=5000, show_default=True)
+def ui(runs_root: Path, port: int) -> None:
+    """Open the MLflow UI on the local store under RUNS_ROOT (bound to 127.0.0.1)."""
+    from hpcrl.tracking import default_uri
+
+    db = runs_root / "mlflow.db"
+    if not db.is_file():
+        _fail(f"{db}: no MLflow store here; pass the runs_root of your experiment")
+    click.echo(f"MLflow UI on http://127.0.0.1:{port} (Ctrl-C to stop)")
+    os.execvp(sys.executable, [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", default_uri(runs_root),
+                               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"])
+
+
+@main.command("config")
+def config_reference() -> None:
+    """Print every experiment.toml key with its default and meaning."""
+    click.echo(config.reference())
+
+
+if __name__ == "__main__":
+    main()

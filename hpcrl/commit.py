@@ -1,0 +1,169 @@
+"""Atomic stage outputs: write into a temporary directory, commit by rename with a manifest.
+
+A stage directory exists, for every reader, exactly when its `_COMMIT.json` does. The writer
+stages everything in `.<stage>.tmp` beside the final place and renames it into place as its last
+act; a committed directory is never written again. Readers verify checksums and schemas.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from hpcrl import schemas
+
+MANIFEST = "_COMMIT.json"
+# Large binary state that is not checksummed (DeepSpeed optimizer shards).
+UNHASHED_DIRS = ("trainer",)
+
+
+class AlreadyCommittedError(RuntimeError):
+    """Refusal to write over a committed stage output."""
+
+
+class CorruptOutputError(RuntimeError):
+    """A committed output does not match its manifest."""
+
+
+def is_committed(stage_dir: Path) -> bool:
+    return (stage_dir / MANIFEST).is_file()
+
+
+def read_manifest(stage_dir: Path) -> dict | None:
+    path = stage_dir / MANIFEST
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def file_digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def manifest_digest(stage_dir: Path) -> str:
+    """Identity of a committed output, recorded by the stages that consume it."""
+    return file_digest(stage_dir / MANIFEST)
+
+
+class StageWriter:
+    """Collects a stage's files and metrics in the temporary directory until commit."""
+
+    def __init__(self, tmp: Path):
+        self.dir = tmp
+        self.tables: dict[str, dict] = {}
+        self.metrics: dict[str, float] = {}
+
+    def write_table(self, name: str, table: pa.Table, schema_name: str | None = None) -> Path:
+        """Write `table` as `<name>.parquet`, conformed to its stage-contract schema."""
+        table = schemas.conform(schema_name or name, table)
+        path = self.dir / f"{name}.parquet"
+        # Fixed writer settings so the same table gives the same bytes.
+        pq.write_table(table, path, compression="zstd", write_statistics=True,
+                       store_schema=True, use_dictionary=True)
+        self.tables[name] = {"file": path.name, "rows": table.num_rows, "schema": schema_name or name}
+        return path
+
+
+def _checksums(root: Path) -> dict[str, dict]:
+    out = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root)
+        if rel.parts[0] in UNHASHED_DIRS or rel.name == MANIFEST:
+            continue
+        out[str(rel)] = {"bytes": path.stat().st_size, "sha256": file_digest(path).split(":", 1)[1]}
+    return out
+
+
+@contextmanager
+def stage_lock(stage_dir: Path) -> Iterator[None]:
+    """Serialise attempts at one stage (an orphaned attempt finishes before a new one starts)."""
+    stage_dir.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(stage_dir.parent / f".{stage_dir.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def temp_dir(stage_dir: Path) -> Path:
+    return stage_dir.parent / f".{stage_dir.name}.tmp"
+
+
+def fresh_temp_dir(stage_dir: Path) -> Path:
+    """Empty the stage's temporary directory (leftovers of an interrupted attempt) and return it."""
+    if is_committed(stage_dir):
+        raise AlreadyCommittedError(f"{stage_dir} is committed; it is never written again")
+    tmp = temp_dir(stage_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit(stage_dir: Path, writer: StageWriter, manifest: dict) -> dict:
+    """Write the manifest into the temporary directory and rename it into place."""
+    if is_committed(stage_dir):
+        raise AlreadyCommittedError(f"{stage_dir} is committed; it is never written again")
+    full = {
+        "schema_version": schemas.SCHEMA_VERSION,
+        **manifest,
+        "tables": writer.tables,
+        "metrics": writer.metrics,
+        "files": _checksums(writer.dir),
+        "committed_at": time.time(),
+    }
+    path = writer.dir / MANIFEST
+    with open(path, "w") as f:
+        json.dump(full, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    if stage_dir.exists():  # an uncommitted directory (no manifest) does not exist: clear it
+        shutil.rmtree(stage_dir)
+    os.rename(writer.dir, stage_dir)
+    dir_fd = os.open(stage_dir.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return full
+
+
+def verify(stage_dir: Path) -> list[str]:
+    """Problems with a committed output (missing or changed files), empty when it is sound."""
+    manifest = read_manifest(stage_dir)
+    if manifest is None:
+        return [f"{stage_dir}: not committed (no {MANIFEST})"]
+    problems = []
+    for rel, meta in manifest["files"].items():
+        path = stage_dir / rel
+        if not path.is_file():
+            problems.append(f"{path}: missing (listed in {MANIFEST})")
+        elif path.stat().st_size != meta["bytes"] or file_digest(path).split(":", 1)[1] != meta["sha256"]:
+            problems.append(f"{path}: checksum mismatch with {MANIFEST}")
+    return problems
+
+
+def read_table(stage_dir: Path, name: str, columns: list[str] | None = None, check: bool = True) -> pa.Table:
+    """Read a committed table; refuses an uncommitted or corrupted output."""
+    manifest = read_manifest(stage_dir)
+    if manifest is None:
+        raise CorruptOutputError(f"{stage_dir}: not committed (no {MANIFEST}); run its stage first")
+    if name not in manifest["tables"]:
+        raise CorruptOutputError(f"{stage_dir}: has no table {name!r} (has {sorted(manifest['tables'])})")
+    entry = manifest["tables"][name]
+    path = stage_dir / entry["file"]
+    if check:
+        meta = manifest["files"].get(entry["file"])
+        if not path.is_file() or meta is None or file_digest(path).split(":", 1)[1] != meta["sha256"]:
+            raise CorruptOutputError(f"{path}: checksum mismatch with {stage_dir / MANIFEST}")
+    return pq.read_table(path, columns=columns)

@@ -1,0 +1,233 @@
+"""The experiment config (`experiment.toml`): schema, defaults, loading, freezing.
+
+Every key is declared here with its default and meaning; `hpcrl config` prints them. Loading
+refuses unknown keys and wrong types with the file, the key path and what was expected.
+Paths are resolved against the directory of the file that names them, and the frozen copy in
+the run directory holds the fully resolved config, so stages need nothing else.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+PathStr = Annotated[str, "path"]  # resolved against the config file's directory
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the file, the key and what was expected."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = Field("run", description="Run name: the run directory is <runs_root>/<name>.")
+    runs_root: PathStr = Field("runs", description="Directory holding the run directories and the MLflow store.")
+    seed: int = Field(0, description="Run seed; each stage's seed derives from (seed, iteration, stage).")
+    iterations: int = Field(10, ge=1, description="Number of generate -> score -> update iterations.")
+    eval_every: int = Field(5, ge=0, description="Validate on the test set every N iterations (0: only at the end).")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if not v or "/" in v or v.startswith("."):
+            raise ValueError("a run name is a plain directory name (no '/', not starting with '.')")
+        return v
+
+
+class ModelConfig(Section):
+    path: PathStr = Field(..., description="HF-format model directory (policy version 0 and the reference).")
+    tokenizer: PathStr = Field("", description="Tokenizer directory; empty means the model directory.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype for generation and training.")
+    max_model_len: int = Field(256, ge=8, description="Longest prompt + response in tokens.")
+
+
+class DataConfig(Section):
+    train: PathStr = Field(..., description="Training prompts: verl-layout parquet, plain parquet or JSONL.")
+    test: PathStr = Field("", description="Held-out prompts for validation (same formats); empty: no validation.")
+    prompt_key: str = Field("prompt", description="Column with the prompt: a chat message list or a string.")
+    answer_key: str = Field("reward_model.ground_truth", description="Column (dotted for a struct field) with the reference answer; falls back to `answer`.")
+    max_val_prompts: int = Field(0, ge=0, description="Use at most this many test prompts (0: all).")
+
+
+class AlgorithmConfig(Section):
+    name: Literal["grpo"] = Field("grpo", description="Advantage estimator and loss family.")
+    group_size: int = Field(8, ge=2, description="Samples per prompt (the GRPO group).")
+    prompts_per_iteration: int = Field(32, ge=1, description="Prompts drawn per iteration.")
+    norm_adv_by_std: bool = Field(True, description="Divide group-centred rewards by the group's std (False: Dr.GRPO).")
+    clip_ratio: float = Field(0.2, gt=0, description="PPO clip range epsilon.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference policy (0: no reference).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator for the penalty.")
+    loss_agg: Literal["token-mean"] = Field("token-mean", description="Loss aggregation over tokens.")
+
+
+class GenerateConfig(Section):
+    max_tokens: int = Field(64, ge=1, description="Longest response in tokens.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature for training rollouts.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
+    kv_cache_gib: float = Field(1.0, gt=0, description="vLLM KV cache on CPU (VLLM_CPU_KVCACHE_SPACE).")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM memory share on a GPU.")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size.")
+
+
+class RewardConfig(Section):
+    functions: list[str] = Field(["hpcrl.rewards:exact_match"], min_length=1, description="Reward functions as `module:function`; the reward is their weighted sum.")
+    weights: list[float] = Field([], description="One weight per function; empty means all 1.")
+
+
+class UpdateConfig(Section):
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each iteration's batch.")
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass (the batch is split into this many).")
+    micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward per rank.")
+    grad_clip: float = Field(1.0, ge=0, description="Gradient norm clipping (0: none).")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
+    world_size: int = Field(1, ge=1, description="DeepSpeed ranks for the update (processes on this node).")
+
+
+class ExecutorConfig(Section):
+    kind: Literal["local"] = Field("local", description="Where stage jobs run: `local` (submitit LocalExecutor).")
+    mode: Literal["staged"] = Field("staged", description="`staged`: each stage is its own job.")
+    max_retries: int = Field(1, ge=0, description="Retries of a failed stage before the run stops.")
+    timeout_min: int = Field(60, ge=1, description="Time limit of one stage job in minutes.")
+
+
+class TrackingConfig(Section):
+    enabled: bool = Field(True, description="Log to MLflow.")
+    tracking_uri: str = Field("", description="MLflow tracking URI; empty: sqlite:///<runs_root>/mlflow.db.")
+    experiment: str = Field("hpcrl", description="MLflow experiment name.")
+
+
+class Experiment(Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig
+    data: DataConfig
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    generate: GenerateConfig = GenerateConfig()
+    reward: RewardConfig = RewardConfig()
+    update: UpdateConfig = UpdateConfig()
+    executor: ExecutorConfig = ExecutorConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.runs_root) / self.run.name
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.model.tokenizer or self.model.path
+
+
+# Keys a resumed run may change; anything else must match the frozen config.
+RESUMABLE_CHANGES = ("run.iterations", "run.eval_every", "executor.", "tracking.enabled")
+
+
+def _path_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
+    out = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out += _path_fields(ann, f"{prefix}{name}.")
+        elif "path" in field.metadata:
+            out.append(prefix + name)
+    return out
+
+
+PATH_KEYS = _path_fields(Experiment)
+
+
+def _describe(err: dict) -> str:
+    key = ".".join(str(p) for p in err["loc"])
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        section = ".".join(str(p) for p in err["loc"][:-1])
+        where = f"[{section}]" if section else "the top level"
+        return f"{key}: unknown key in {where}"
+    if kind == "missing":
+        return f"{key}: required key is missing"
+    got = err.get("input")
+    return f"{key}: {err['msg']} (got {got!r})"
+
+
+def parse(data: dict[str, Any], source: str, base_dir: Path) -> Experiment:
+    """Validate a config mapping; resolve relative paths against `base_dir`."""
+    try:
+        exp = Experiment.model_validate(data)
+    except ValidationError as err:
+        lines = "\n  ".join(_describe(e) for e in err.errors())
+        raise ConfigError(f"{source}: invalid config:\n  {lines}") from None
+    if exp.reward.weights and len(exp.reward.weights) != len(exp.reward.functions):
+        raise ConfigError(f"{source}: reward.weights: expected {len(exp.reward.functions)} weights "
+                          f"(one per reward.functions entry), got {len(exp.reward.weights)}")
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(exp, section), name)
+        if value and not Path(value).is_absolute():
+            setattr(getattr(exp, section), name, str((base_dir / value).resolve()))
+    return exp
+
+
+def load(path: str | Path) -> Experiment:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    return parse(data, str(path), path.resolve().parent)
+
+
+def with_overrides(exp: Experiment, overrides: dict[str, Any], source: str) -> Experiment:
+    """A copy of `exp` with dotted-key overrides applied, validated like a file."""
+    data = exp.model_dump()
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = data
+        for p in parents:
+            if not isinstance(node.get(p), dict):
+                raise ConfigError(f"{source}: {key}: unknown key")
+            node = node[p]
+        node[leaf] = value
+    return parse(data, source, Path.cwd())
+
+
+def dumps(exp: Experiment) -> str:
+    return tomli_w.dumps(exp.model_dump())
+
+
+def flat(exp: Experiment) -> dict[str, Any]:
+    """The config as dotted keys (for MLflow params and diffs)."""
+    out = {}
+    for section, values in exp.model_dump().items():
+        for k, v in values.items():
+            out[f"{section}.{k}"] = v
+    return out
+
+
+def resume_conflicts(frozen: Experiment, new: Experiment) -> list[str]:
+    """Keys that differ between a run's frozen config and a resubmitted one and may not change."""
+    a, b = flat(frozen), flat(new)
+    return [f"{k}: run has {a[k]!r}, config has {b[k]!r}" for k in a
+            if a[k] != b[k] and not any(k == c or (c.endswith(".") and k.startswith(c))
+                                         for c in RESUMABLE_CHANGES)]
+
+
+def reference() -> str:
+    """Every key with its default and description, as commented TOML."""
+    lines = []
+    for section, field in Experiment.model_fields.items():
+        lines.append(f"[{section}]")
+        for name, f in field.annotation.model_fields.items():
+            default = "(required)" if f.is_required() else tomli_w.dumps({"x": f.default})[4:].strip()
+            lines.append(f"# {f.description}")
+            lines.append(f"{name} = {default}")
+        lines.append("")
+    return "\n".join(lines)

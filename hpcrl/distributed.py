@@ -1,0 +1,60 @@
+"""torch.distributed set-up for multi-rank stages, whoever launched them.
+
+torchrun or the deepspeed launcher set RANK/WORLD_SIZE; a submitit job (local or Slurm) knows its
+tasks; a plain `python -m stages.update` is one rank. The backend follows the device: NCCL on
+GPUs, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def export_env() -> None:
+    """Set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT if no launcher did."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    import submitit
+
+    try:
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        return
+    except RuntimeError:  # not inside a submitit job
+        pass
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+
+
+def init(timeout_s: float = 1800) -> tuple[int, int]:
+    """Initialise the default process group; returns (rank, world_size)."""
+    import torch
+
+    export_env()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        # Share the cores among the ranks of this node instead of oversubscribing them.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
+                               verbose=False)
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def shutdown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,94 @@
+"""Checks before any job starts: the model, the tokenizer, the data, the reward functions and the
+batch shape of an experiment. Every problem is reported at once with the config file, the key
+and what was expected, so no compute is spent on a run that cannot work.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hpcrl import data, rewards
+from hpcrl.config import ConfigError, Experiment
+
+PROMPTS_CHECKED = 1000  # prompt lengths are checked on the first rows of each dataset
+
+
+def _check_model(exp: Experiment) -> tuple[list[str], dict | None]:
+    cfg_file = Path(exp.model.path) / "config.json"
+    if not cfg_file.is_file():
+        return [f"model.path: {exp.model.path}: not an HF model directory (no config.json)"], None
+    return [], json.loads(cfg_file.read_text())
+
+
+def _check_tokenizer(exp: Experiment, model_cfg: dict | None):
+    from transformers import AutoTokenizer
+
+    key = "model.tokenizer" if exp.model.tokenizer else "model.path"
+    try:
+        tok = AutoTokenizer.from_pretrained(exp.tokenizer_path)
+    except (OSError, ValueError) as err:
+        return [f"{key}: {exp.tokenizer_path}: cannot load a tokenizer: {str(err).splitlines()[0]}"], None
+    problems = []
+    if model_cfg is not None:
+        vocab = model_cfg.get("vocab_size") or model_cfg.get("text_config", {}).get("vocab_size")
+        if vocab is not None and len(tok) > vocab:
+            problems.append(f"{key}: the tokenizer at {exp.tokenizer_path} has {len(tok)} tokens but the model at "
+                            f"{exp.model.path} has vocab_size {vocab}: they do not belong together")
+    if tok.eos_token_id is None:
+        problems.append(f"{key}: the tokenizer at {exp.tokenizer_path} has no eos token")
+    return problems, tok
+
+
+def _check_data(exp: Experiment, tok) -> list[str]:
+    problems = []
+    longest = exp.model.max_model_len - exp.generate.max_tokens
+    for key in ("train", "test"):
+        path = getattr(exp.data, key)
+        if not path:
+            continue
+        try:
+            prompts = data.load_prompts(path, exp.data.prompt_key, exp.data.answer_key)
+        except data.DatasetError as err:
+            problems.append(f"data.{key}: {err}")
+            continue
+        if tok is None:
+            continue
+        texts = prompts["prompt"].slice(0, PROMPTS_CHECKED).to_pylist()
+        if any(t.startswith("[{") for t in texts) and not tok.chat_template:
+            problems.append(f"data.{key}: {path}: prompts are chat messages but the tokenizer has no chat template")
+            continue
+        too_long = sum(len(tok(data.render(tok, t))["input_ids"]) > longest for t in texts)
+        if too_long:
+            problems.append(f"data.{key}: {path}: {too_long} of the first {len(texts)} prompts are longer than "
+                            f"model.max_model_len - generate.max_tokens = {longest} tokens")
+    return problems
+
+
+def _check_rewards(exp: Experiment) -> list[str]:
+    problems = []
+    for name in exp.reward.functions:
+        try:
+            rewards.load(name)
+        except rewards.RewardLoadError as err:
+            problems.append(f"reward.functions: {err}")
+    return problems
+
+
+def _check_batch(exp: Experiment) -> list[str]:
+    n = exp.algorithm.prompts_per_iteration * exp.algorithm.group_size
+    parts = exp.update.mini_batches * exp.update.world_size
+    if n % parts:
+        return [f"update.mini_batches: {n} samples per iteration (algorithm.prompts_per_iteration x "
+                f"algorithm.group_size) do not split evenly into {exp.update.mini_batches} mini-batches over "
+                f"update.world_size={exp.update.world_size} ranks"]
+    return []
+
+
+def check(exp: Experiment, source: str) -> None:
+    """Raise ConfigError listing every problem found in the experiment `source`."""
+    problems, model_cfg = _check_model(exp)
+    tok_problems, tok = _check_tokenizer(exp, model_cfg)
+    problems += tok_problems + _check_data(exp, tok) + _check_rewards(exp) + _check_batch(exp)
+    if problems:
+        raise ConfigError(f"{source}: the experiment cannot run:\n  " + "\n  ".join(problems))

@@ -1,0 +1,95 @@
+"""Reward functions: the built-ins and the loader for `module:function` names from the config.
+
+A reward function takes one sample, `fn(response, ground_truth, *, data_source, prompt)`, and
+returns a float or a dict with a float `score`, optional float components and an optional
+string `message` (a verifier's explanation). Pure functions: no I/O, no global state.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+RewardFn = Callable[..., "float | dict"]
+
+
+def exact_match(response: str, ground_truth: str, **_) -> dict:
+    """1 when the response, stripped of surrounding space, equals the ground truth."""
+    text = response.strip()
+    return {"score": float(text == ground_truth.strip()), "nonempty": float(bool(text))}
+
+
+_GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
+_NUMBER = re.compile(r"-?[0-9][0-9\.\,]*")
+
+
+def _normalise_number(s: str) -> str:
+    s = s.replace(",", "").rstrip(".")
+    try:
+        value = float(s)
+    except ValueError:
+        return s
+    return str(int(value)) if value == int(value) else str(value)
+
+
+def gsm8k(response: str, ground_truth: str, **_) -> dict:
+    """GSM8K final-answer match: the `#### <answer>` line (strict) or else the last number (flexible).
+
+    The score is 1 for a strict match; the `flexible` component records a last-number match.
+    """
+    truth = _normalise_number(ground_truth.split("####")[-1].strip())
+    strict = _GSM8K_STRICT.findall(response)
+    numbers = _NUMBER.findall(response)
+    strict_ok = bool(strict) and _normalise_number(strict[-1]) == truth
+    flexible_ok = bool(numbers) and _normalise_number(numbers[-1]) == truth
+    message = "" if strict else "no '#### <answer>' line"
+    return {"score": float(strict_ok), "format": float(bool(strict)), "flexible": float(flexible_ok),
+            "message": message}
+
+
+@dataclass(frozen=True)
+class Scored:
+    reward: float
+    components: dict[str, float]
+    message: str
+
+
+class RewardLoadError(ValueError):
+    pass
+
+
+def load(name: str) -> RewardFn:
+    """Import `module:function`; a clear error names what is missing."""
+    module_name, sep, fn_name = name.partition(":")
+    if not sep or not module_name or not fn_name:
+        raise RewardLoadError(f"reward function {name!r}: expected 'module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise RewardLoadError(f"reward function {name!r}: cannot import module {module_name!r}: {err}") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise RewardLoadError(f"reward function {name!r}: module {module_name!r} has no function {fn_name!r}")
+    return fn
+
+
+def combine(fns: dict[str, RewardFn], weights: dict[str, float], response: str, ground_truth: str,
+            **info) -> Scored:
+    """Weighted sum of the named reward functions, with every component kept under `<name>/<key>`."""
+    total, components, messages = 0.0, {}, []
+    for name, fn in fns.items():
+        out = fn(response, ground_truth, **info)
+        if not isinstance(out, dict):
+            out = {"score": out}
+        score = float(out["score"])
+        total += weights[name] * score
+        components[name] = score
+        for key, value in out.items():
+            if key == "message":
+                if value:
+                    messages.append(f"{name}: {value}")
+            elif key != "score":
+                components[f"{name}/{key}"] = float(value)
+    return Scored(total, components, "; ".join(messages))

@@ -1,0 +1,135 @@
+"""The run directory layout: where every file of a run lives, and nothing else.
+
+    <runs_root>/<run_name>/
+      experiment.toml         frozen, fully resolved config
+      run.json                run id, MLflow run id, code version, created
+      iter_000000/{generate,score,update}/   committed stage outputs (see hpcrl.commit)
+      policy/v000001 -> ../iter_000000/update/policy   HF weights of each trained version
+      logs/                   one folder per stage job
+
+Policy version 0 is the configured base model; version v > 0 is written, with the DeepSpeed
+state that produced it, by the update stage of iteration v - 1 and committed with it, so a policy
+version exists exactly when the update that made it is committed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+STAGES = ("generate", "score", "update")
+CONFIG_FILE = "experiment.toml"
+RUN_FILE = "run.json"
+
+
+class RunLockedError(RuntimeError):
+    """Another controller holds the run."""
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @classmethod
+    def at(cls, path: str | os.PathLike) -> RunDir:
+        return cls(Path(path).resolve())
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / CONFIG_FILE
+
+    @property
+    def run_file(self) -> Path:
+        return self.root / RUN_FILE
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def iteration_dir(self, iteration: int) -> Path:
+        return self.root / f"iter_{iteration:06d}"
+
+    def stage_dir(self, iteration: int, stage: str) -> Path:
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
+        return self.iteration_dir(iteration) / stage
+
+    def policy_dir(self, version: int, base_model: str | os.PathLike) -> Path:
+        """HF weights of a policy version; version 0 is the base model of the config."""
+        if version == 0:
+            return Path(base_model)
+        return self.stage_dir(version - 1, "update") / "policy"
+
+    def trainer_state_dir(self, version: int) -> Path | None:
+        """DeepSpeed state that produced `version` (None for the base model)."""
+        return None if version == 0 else self.stage_dir(version - 1, "update") / "trainer"
+
+    def publish_policy(self, version: int) -> Path:
+        """Make policy/vNNNNNN point at a committed version (derived state, idempotent)."""
+        link = self.root / "policy" / f"v{version:06d}"
+        link.parent.mkdir(exist_ok=True)
+        target = os.path.relpath(self.policy_dir(version, ""), link.parent)
+        if not link.is_symlink():
+            link.symlink_to(target, target_is_directory=True)
+        return link
+
+    def read_run_info(self) -> dict:
+        return json.loads(self.run_file.read_text()) if self.run_file.exists() else {}
+
+    def write_run_info(self, info: dict) -> None:
+        tmp = self.run_file.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, self.run_file)
+
+    def iterations_present(self) -> list[int]:
+        found = []
+        for p in self.root.glob("iter_*"):
+            try:
+                found.append(int(p.name.split("_", 1)[1]))
+            except ValueError:
+                continue
+        return sorted(found)
+
+
+class RunLock:
+    """An exclusive lock on a run, held by its controller.
+
+    Uses flock(2): the kernel drops it when the holder dies, so a crash never wedges the run.
+    The file records who holds it, to name them in the error.
+    """
+
+    def __init__(self, run: RunDir):
+        self.path = run.root / ".controller.lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 512).decode(errors="replace").strip() or "unknown process"
+            os.close(fd)
+            raise RunLockedError(
+                f"run {self.path.parent} is already driven by another controller ({holder}); "
+                "stop it first, or wait for it to finish"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -1,0 +1,69 @@
+"""Creating a run directory from an experiment, and reopening one to resume it.
+
+The config is frozen into the run directory on creation; a resubmission with a changed config is
+refused unless every change is one a resumed run may take (config.RESUMABLE_CHANGES), and
+accepted changes are recorded in run.json.
+"""
+
+from __future__ import annotations
+
+import datetime
+import getpass
+import subprocess
+import uuid
+from pathlib import Path
+
+from hpcrl import config
+from hpcrl.config import ConfigError, Experiment
+from hpcrl.rundir import RunDir
+
+
+def code_version() -> str:
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "-C", str(here), "describe", "--always", "--dirty"],
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def prepare(exp: Experiment, source: str) -> tuple[RunDir, bool]:
+    """The run directory of `exp`, created and frozen if new. Returns (run, resumed)."""
+    run = RunDir.at(exp.run_dir)
+    if run.config_path.is_file():
+        frozen = config.load(run.config_path)
+        conflicts = config.resume_conflicts(frozen, exp)
+        if conflicts:
+            raise ConfigError(f"{source}: run {run.root} exists with a different config; these keys may not change "
+                              "on resume (use another run.name for a new run):\n  " + "\n  ".join(conflicts))
+        changes = [k for k, v in config.flat(exp).items() if config.flat(frozen)[k] != v]
+        if changes:
+            info = run.read_run_info()
+            info.setdefault("config_changes", []).append(
+                {"at": _now(), "keys": {k: config.flat(exp)[k] for k in changes}})
+            _freeze(run, exp)
+            run.write_run_info(info)
+        return run, True
+    run.root.mkdir(parents=True, exist_ok=True)
+    _freeze(run, exp)
+    run.write_run_info({"run_id": uuid.uuid4().hex, "name": exp.run.name, "created": _now(),
+                        "code_version": code_version(), "user": getpass.getuser(), "source": str(Path(source).resolve())})
+    return run, False
+
+
+def _freeze(run: RunDir, exp: Experiment) -> None:
+    tmp = run.config_path.with_suffix(".toml.tmp")
+    tmp.write_text("# Frozen, fully resolved config of this run (written by hpcrl).\n" + config.dumps(exp))
+    tmp.replace(run.config_path)
+
+
+def open_run(path: str | Path) -> tuple[RunDir, Experiment]:
+    run = RunDir.at(path)
+    if not run.config_path.is_file():
+        raise ConfigError(f"{run.root}: not an hpcrl run directory (no {run.config_path.name})")
+    return run, config.load(run.config_path)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,97 @@
+"""Arrow schemas of the stage contracts: the one place that says what each stage writes.
+
+Every committed table is checked against its schema here, and the schema version is recorded in
+each manifest. Change a schema only together with SCHEMA_VERSION.
+This module owns no I/O beyond schema checks.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+# The key of one sample across the generate, score and update outputs.
+SAMPLE_KEYS = ("split", "prompt_index", "sample_index")
+
+ROLLOUTS = pa.schema(
+    [
+        pa.field("iteration", pa.int32(), nullable=False),
+        pa.field("split", pa.string(), nullable=False),  # "train" or "val"
+        pa.field("prompt_index", pa.int64(), nullable=False),  # row in the dataset of that split
+        pa.field("sample_index", pa.int32(), nullable=False),  # index within the prompt's group
+        pa.field("data_source", pa.string()),
+        pa.field("prompt_text", pa.string()),
+        pa.field("ground_truth", pa.string()),
+        pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("response_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("logprobs", pa.list_(pa.float32()), nullable=False),  # sampler's, one per response token
+        pa.field("response_text", pa.string()),
+        pa.field("finish_reason", pa.string()),
+        pa.field("policy_version", pa.int32(), nullable=False),
+    ]
+)
+
+SCORES = pa.schema(
+    [
+        pa.field("split", pa.string(), nullable=False),
+        pa.field("prompt_index", pa.int64(), nullable=False),
+        pa.field("sample_index", pa.int32(), nullable=False),
+        pa.field("reward", pa.float64(), nullable=False),
+        pa.field("reward_components", pa.map_(pa.string(), pa.float64())),
+        pa.field("reward_message", pa.string()),
+    ]
+)
+
+# Per-sample quantities the update computed, so a replay can check them.
+ADVANTAGES = pa.schema(
+    [
+        pa.field("split", pa.string(), nullable=False),
+        pa.field("prompt_index", pa.int64(), nullable=False),
+        pa.field("sample_index", pa.int32(), nullable=False),
+        pa.field("advantage", pa.float32(), nullable=False),
+        pa.field("old_logprobs", pa.list_(pa.float32()), nullable=False),  # recomputed by the trainer
+        pa.field("ref_logprobs", pa.list_(pa.float32())),  # null when no KL to a reference is used
+    ]
+)
+
+# One row per optimizer step.
+UPDATE_STATS = pa.schema(
+    [
+        pa.field("step", pa.int32(), nullable=False),
+        pa.field("epoch", pa.int32(), nullable=False),
+        pa.field("loss", pa.float64()),
+        pa.field("pg_loss", pa.float64()),
+        pa.field("pg_clipfrac", pa.float64()),
+        pa.field("ppo_kl", pa.float64()),
+        pa.field("kl_ref", pa.float64()),
+        pa.field("entropy", pa.float64()),
+        pa.field("grad_norm", pa.float64()),
+        pa.field("lr", pa.float64()),
+        pa.field("tokens", pa.int64()),
+    ]
+)
+
+TABLES: dict[str, pa.Schema] = {
+    "rollouts": ROLLOUTS,
+    "scores": SCORES,
+    "advantages": ADVANTAGES,
+    "stats": UPDATE_STATS,
+}
+
+
+class SchemaError(ValueError):
+    """A table does not match its stage contract."""
+
+
+def conform(name: str, table: pa.Table) -> pa.Table:
+    """Return `table` with the columns, order and types of the `name` schema, or raise SchemaError."""
+    schema = TABLES[name]
+    missing = [f.name for f in schema if f.name not in table.column_names]
+    extra = [c for c in table.column_names if c not in schema.names]
+    if missing or extra:
+        raise SchemaError(f"table {name!r}: missing columns {missing}, unexpected columns {extra}")
+    try:
+        return table.select(schema.names).cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as err:
+        raise SchemaError(f"table {name!r} does not match schema v{SCHEMA_VERSION}: {err}") from err

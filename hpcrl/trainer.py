@@ -1,0 +1,216 @@
+"""The GRPO update with DeepSpeed: batch building, old/reference logprobs, PPO steps, saving.
+
+Every rank holds the whole (small) rollout table and takes its own slice of each mini-batch;
+losses are normalised by the mini-batch's global token count, so the update does not depend on
+how the batch is split over ranks and micro-batches. Saving writes the next policy version in HF
+format and the DeepSpeed state. Stage bookkeeping (locks, commit) is not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+
+from hpcrl import advantages as adv_lib
+from hpcrl import losses
+from hpcrl.config import Experiment
+from hpcrl.schemas import SAMPLE_KEYS
+
+DS_TAG = "state"
+
+
+@dataclass
+class Samples:
+    """The training samples of one iteration, in a fixed order."""
+
+    keys: pa.Table  # SAMPLE_KEYS columns
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    sampler_logprobs: list[list[float]]
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+
+def load_samples(rollouts: pa.Table, scores: pa.Table) -> Samples:
+    """Training rows of the rollouts with their rewards (rows must line up key by key)."""
+    train = rollouts.filter(pa.compute.equal(rollouts["split"], "train"))
+    s = scores.filter(pa.compute.equal(scores["split"], "train"))
+    if train.select(list(SAMPLE_KEYS)) != s.select(list(SAMPLE_KEYS)):
+        raise ValueError("score rows do not line up with the rollouts (keys differ)")
+    return Samples(
+        keys=train.select(list(SAMPLE_KEYS)),
+        prompt_ids=train["prompt_ids"].to_pylist(),
+        response_ids=train["response_ids"].to_pylist(),
+        sampler_logprobs=train["logprobs"].to_pylist(),
+        rewards=torch.tensor(s["reward"].to_numpy(), dtype=torch.float64),
+        group_ids=torch.tensor(train["prompt_index"].to_numpy()),
+    )
+
+
+@dataclass
+class MicroBatch:
+    index: torch.Tensor  # rows of Samples
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    targets: torch.Tensor  # input_ids shifted left
+    mask: torch.Tensor  # 1 where the target is a response token
+
+    def to(self, device) -> MicroBatch:
+        return MicroBatch(self.index, *(t.to(device) for t in
+                                        (self.input_ids, self.attention_mask, self.targets, self.mask)))
+
+
+def collate(samples: Samples, rows: list[int], pad_id: int) -> MicroBatch:
+    """Right-padded prompt+response sequences with a mask over the response targets."""
+    seqs = [samples.prompt_ids[i] + samples.response_ids[i] for i in rows]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width - 1), dtype=torch.float32)
+    for b, (i, seq) in enumerate(zip(rows, seqs, strict=True)):
+        ids[b, : len(seq)] = torch.tensor(seq)
+        attn[b, : len(seq)] = 1
+        p, r = len(samples.prompt_ids[i]), len(samples.response_ids[i])
+        mask[b, p - 1: p - 1 + r] = 1.0  # logits at position t predict token t + 1
+    return MicroBatch(torch.tensor(rows), ids, attn, ids[:, 1:], mask)
+
+
+def response_values(values: torch.Tensor, batch: MicroBatch) -> list[list[float]]:
+    """Per-row lists of a [batch, tokens] tensor at the response positions."""
+    return [values[b][batch.mask[b].bool()].tolist() for b in range(values.shape[0])]
+
+
+def micro_batches(samples: Samples, rows: list[int], size: int, pad_id: int) -> list[MicroBatch]:
+    return [collate(samples, rows[i: i + size], pad_id) for i in range(0, len(rows), size)]
+
+
+def ds_config(exp: Experiment, world_size: int, grad_accum: int) -> dict:
+    u = exp.update
+    return {
+        "train_micro_batch_size_per_gpu": u.micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": u.micro_batch_size * grad_accum * world_size,
+        "gradient_clipping": u.grad_clip,
+        "zero_optimization": {"stage": u.zero_stage, "stage3_gather_16bit_weights_on_model_save": True},
+        "bf16": {"enabled": exp.model.dtype == "bfloat16"},
+        "fp16": {"enabled": exp.model.dtype == "float16"},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def rank_rows(rows: list[int], rank: int, world_size: int) -> list[int]:
+    return rows[rank::world_size]
+
+
+def split_mini_batches(n: int, mini_batches: int, seed: int, epoch: int) -> list[list[int]]:
+    perm = np.random.default_rng([seed, epoch]).permutation(n).tolist()
+    size = n // mini_batches
+    return [perm[i * size: (i + 1) * size] for i in range(mini_batches)]
+
+
+def check_batch_shape(exp: Experiment, n_samples: int, world_size: int) -> None:
+    u = exp.update
+    if n_samples % (u.mini_batches * world_size):
+        raise ValueError(f"update: {n_samples} samples cannot be split into update.mini_batches={u.mini_batches} "
+                         f"mini-batches over update.world_size={world_size} ranks evenly")
+
+
+def _all_sum(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def _all_gather_rows(local: dict[int, list[float]]) -> dict[int, list[float]]:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return local
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+@torch.no_grad()
+def logprobs_of(model, samples: Samples, rows: list[int], exp: Experiment, pad_id: int,
+                device) -> dict[int, list[float]]:
+    """Response-token logprobs of `rows` under `model` (all ranks together, gathered)."""
+    out = {}
+    temperature = exp.generate.temperature or 1.0
+    for mb in micro_batches(samples, rows, exp.update.micro_batch_size, pad_id):
+        mb = mb.to(device)
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
+        lp = losses.token_logprobs(logits, mb.targets, temperature)
+        for i, values in zip(mb.index.tolist(), response_values(lp, mb), strict=True):
+            out[i] = values
+    return _all_gather_rows(out)
+
+
+def padded(rows_values: dict[int, list[float]], mb: MicroBatch) -> torch.Tensor:
+    """Per-row response values placed at the mask positions of a micro-batch."""
+    t = torch.zeros_like(mb.mask)
+    for b, i in enumerate(mb.index.tolist()):
+        t[b][mb.mask[b].bool()] = torch.tensor(rows_values[i], dtype=t.dtype, device=t.device)
+    return t
+
+
+STAT_NAMES = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_ref", "entropy")
+
+
+def train_step(engine, samples: Samples, mini: list[int], adv: torch.Tensor, old: dict, ref: dict | None,
+               exp: Experiment, pad_id: int, rank: int, world_size: int) -> dict[str, float]:
+    """One optimizer step on one mini-batch; returns its statistics (global token means)."""
+    a, u = exp.algorithm, exp.update
+    n_tokens = sum(len(samples.response_ids[i]) for i in mini)
+    mbs = micro_batches(samples, rank_rows(mini, rank, world_size), u.micro_batch_size, pad_id)
+    scale = world_size * len(mbs)  # undo DeepSpeed's mean over ranks and micro-batches
+    sums = dict.fromkeys(STAT_NAMES, 0.0)
+    temperature = exp.generate.temperature or 1.0
+    for mb in mbs:
+        mb = mb.to(engine.device)
+        logits = engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
+        logp = losses.token_logprobs(logits, mb.targets, temperature)
+        out = losses.ppo_clip(logp, padded(old, mb), adv[mb.index].to(logp.device), mb.mask, a.clip_ratio,
+                              padded(ref, mb) if ref is not None else None, a.kl_coef, a.kl_estimator, n_tokens)
+        engine.backward(out.loss * scale)
+        tokens = float(mb.mask.sum())
+        with torch.no_grad():
+            ent = losses.token_sum(losses.entropy(logits), mb.mask).item()
+        sums["loss"] += out.loss.item()
+        sums["pg_loss"] += out.pg_loss.item()
+        sums["pg_clipfrac"] += out.clipfrac.item() * tokens / n_tokens
+        sums["ppo_kl"] += out.ppo_kl.item() * tokens / n_tokens
+        sums["kl_ref"] += out.kl_ref.item() * tokens / n_tokens
+        sums["entropy"] += ent / n_tokens
+        engine.step()
+    stats = dict(zip(STAT_NAMES, _all_sum([sums[k] for k in STAT_NAMES]), strict=True))
+    grad_norm = engine.get_global_grad_norm()
+    stats["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    stats["lr"] = engine.get_lr()[0]
+    stats["tokens"] = n_tokens
+    return stats
+
+
+def save_policy(engine, exp: Experiment, out: Path, rank: int) -> None:
+    """HF-format weights (and tokenizer) of the engine's model, loadable by from_pretrained and vLLM."""
+    from transformers import AutoTokenizer
+
+    if exp.update.zero_stage == 3:
+        state = engine._zero3_consolidated_16bit_state_dict()  # collective: every rank calls it
+    else:
+        state = engine.module.state_dict() if rank == 0 else None
+    if rank == 0:
+        model = engine.module
+        model.save_pretrained(out, state_dict={k: v.detach().cpu() for k, v in state.items()},
+                              safe_serialization=True)
+        AutoTokenizer.from_pretrained(exp.tokenizer_path).save_pretrained(out)
+    if dist.is_initialized():
+        dist.barrier()

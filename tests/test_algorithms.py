@@ -1,0 +1,87 @@
+"""The advantage and loss functions against values worked out by hand."""
+
+import math
+
+import pytest
+import torch
+
+from hpcrl import advantages, losses
+
+
+def test_grpo_advantages_normalise_within_each_group():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    groups = torch.tensor([7, 7, 7, 7, 3, 3])
+    adv = advantages.grpo(rewards, groups, norm_by_std=True, eps=0.0)
+    # group 7: mean 0.25, unbiased std 0.5 -> (0.75, -0.25, -0.25, -0.25) / 0.5; group 3: all equal -> 0
+    assert adv.tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5, 0.0, 0.0])
+
+
+def test_grpo_without_std_only_centres():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    adv = advantages.grpo(rewards, torch.zeros(4, dtype=torch.long), norm_by_std=False)
+    assert adv.tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])
+
+
+def test_ppo_clip_by_hand():
+    old = torch.zeros(1, 3)
+    logp = torch.tensor([[0.5, -0.5, -0.5]])
+    adv = torch.tensor([[1.0, 1.0, -1.0]])
+    mask = torch.ones(1, 3)
+    out = losses.ppo_clip(logp, old, adv, mask, clip_ratio=0.2)
+    r_hi, r_lo = math.exp(0.5), math.exp(-0.5)
+    # token 1: ratio 1.65 > 1.2 with A>0 -> clipped -1.2; token 2: ratio 0.61, A>0 -> -0.61 unclipped;
+    # token 3: ratio 0.61 < 0.8 with A<0 -> clipped 0.8
+    expected = (-1.2 - r_lo + 0.8) / 3
+    assert r_hi > 1.2
+    assert out.loss.item() == pytest.approx(expected, abs=1e-6)
+    assert out.clipfrac.item() == pytest.approx(2 / 3)
+    assert out.ppo_kl.item() == pytest.approx((-0.5 + 0.5 + 0.5) / 3)
+
+
+def test_ppo_clip_ignores_masked_tokens_and_broadcasts_sequence_advantages():
+    logp = torch.tensor([[0.1, 9.0], [0.0, 0.0]])
+    old = torch.zeros(2, 2)
+    mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    out = losses.ppo_clip(logp, old, torch.tensor([2.0, -1.0]), mask, clip_ratio=0.2)
+    expected = (-2.0 * math.exp(0.1) + 1.0 + 1.0) / 3
+    assert out.loss.item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_kl_estimators_by_hand():
+    logp, ref = torch.tensor([0.5]), torch.tensor([0.0])
+    assert losses.kl_penalty(logp, ref, "k1").item() == pytest.approx(0.5)
+    assert losses.kl_penalty(logp, ref, "k2").item() == pytest.approx(0.125)
+    assert losses.kl_penalty(logp, ref, "k3").item() == pytest.approx(math.exp(-0.5) + 0.5 - 1)
+    with pytest.raises(ValueError, match="k4"):
+        losses.kl_penalty(logp, ref, "k4")
+
+
+def test_kl_term_adds_to_loss_with_its_coefficient():
+    logp = torch.tensor([[0.5, 0.5]])
+    out = losses.ppo_clip(logp, logp.clone(), torch.zeros(1), torch.ones(1, 2), 0.2,
+                          ref_logp=torch.zeros(1, 2), kl_coef=0.1, kl_estimator="k1")
+    assert out.pg_loss.item() == pytest.approx(0.0)
+    assert out.loss.item() == pytest.approx(0.1 * 0.5)
+    assert out.kl_ref.item() == pytest.approx(0.5)
+
+
+def test_token_mean_is_invariant_to_how_the_batch_is_split():
+    torch.manual_seed(0)
+    logp, old = torch.randn(6, 5) * 0.1, torch.randn(6, 5) * 0.1
+    adv = torch.randn(6)
+    mask = (torch.rand(6, 5) > 0.3).float()
+    n = mask.sum().item()
+    whole = losses.ppo_clip(logp, old, adv, mask, 0.2, n_tokens=n).loss
+    parts = sum(losses.ppo_clip(logp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], 0.2, n_tokens=n).loss
+                for i in range(0, 6, 2))
+    assert parts.item() == pytest.approx(whole.item(), abs=1e-7)
+
+
+def test_token_logprobs_and_entropy_by_hand():
+    logits = torch.tensor([[[0.0, math.log(3.0)]]])  # p = (0.25, 0.75)
+    lp = losses.token_logprobs(logits, torch.tensor([[1]]))
+    assert lp.item() == pytest.approx(math.log(0.75))
+    lp_t2 = losses.token_logprobs(logits, torch.tensor([[1]]), temperature=2.0)  # p ∝ (1, sqrt 3)
+    assert lp_t2.item() == pytest.approx(math.log(math.sqrt(3) / (1 + math.sqrt(3))))
+    ent = losses.entropy(logits).item()
+    assert ent == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))

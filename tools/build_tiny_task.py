@@ -1,0 +1,277 @@
+#!/usr/bin/env python
+"""Build the tiny demo task: a small Qwen2 model warm-started on 2-digit addition, plus its data.
+
+Usage: python tools/build_tiny_task.py [--out DIR] [--force]
+DIR defaults to $HPCRL_TINY_TASK_DIR, else <repo>/.cache/tiny-addition. It receives:
+  model/       Qwen2ForCausalLM (float32, safetensors), byte-level BPE tokenizer, ChatML chat template
+  data/        train.parquet and test.parquet (disjoint prompts) in verl's layout
+  BUILD.json   parameters, hash of (this script + parameters), measured accuracies, library versions
+
+The warm start follows FACTS.md: a supervised pass on correct sums, then a short pass where about
+60% of the answers are zero-padded to 4 digits ("0082", which earns no reward). The model's
+arithmetic stays mostly right while its greedy exact-match accuracy is low but not zero, so GRPO
+has a format error to fix. The build is deterministic (fixed seeds and thread count) and cached:
+when BUILD.json carries the current hash the script exits before importing anything heavy.
+Files are written to a temporary directory beside DIR and renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DATA_SOURCE = "tiny_addition"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # pad/unk, turn start, eos
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Qwen2's pre-tokenizer regex (digits are split one per token).
+QWEN2_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+PARAMS: dict[str, Any] = {
+    "seed": 0,
+    "threads": 2,
+    "operand_range": [10, 99],
+    "n_train": 2048,
+    "n_test": 128,
+    "model": {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 4,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 64},
+    "batch_size": 128,
+    "sft_steps": 600,
+    "sft_lr": 3e-3,
+    "format_steps": 40,
+    "format_lr": 1e-3,
+    "format_pad_fraction": 0.6,
+    "pad_width": 4,
+}
+
+
+def default_out() -> Path:
+    return Path(os.environ.get("HPCRL_TINY_TASK_DIR") or REPO / ".cache" / "tiny-addition")
+
+
+def build_hash() -> str:
+    blob = Path(__file__).read_bytes() + json.dumps(PARAMS, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def is_up_to_date(out: Path) -> bool:
+    try:
+        return json.loads((out / "BUILD.json").read_text())["hash"] == build_hash()
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def split_pairs(rng: random.Random) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+    """All operand pairs, shuffled: (test, rl_train, sft_pool); sft_pool is everything except test."""
+    lo, hi = PARAMS["operand_range"]
+    pairs = [(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)]
+    rng.shuffle(pairs)
+    test = pairs[: PARAMS["n_test"]]
+    rest = pairs[PARAMS["n_test"] :]
+    return test, rest[: PARAMS["n_train"]], rest
+
+
+def write_parquet(path: Path, pairs: list[tuple[int, int]], split: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    schema = pa.schema([
+        ("data_source", pa.string()),
+        ("prompt", pa.list_(message)),
+        ("ability", pa.string()),
+        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+        ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64())])),
+    ])
+    rows = [{
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+        "extra_info": {"split": split, "index": i},
+    } for i, (a, b) in enumerate(pairs)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+
+
+def train_tokenizer(model_dir: Path):
+    """Byte-level BPE with Qwen2's normalizer/pre-tokenizer/decoder; saved so AutoTokenizer agrees."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["system\n", "user\n", "assistant\n", "0123456789+="] * 8, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                            chat_template=CHAT_TEMPLATE).save_pretrained(model_dir)
+    loaded = AutoTokenizer.from_pretrained(model_dir)
+    samples = [render_prompt("37+45=") + "82<|im_end|>", "Hello, world!  12345 +=\n\n x ü", " a  b "]
+    for text in samples:
+        assert loaded(text, add_special_tokens=False)["input_ids"] == tok.encode(text).ids, text
+        assert loaded.decode(tok.encode(text).ids) == text, text
+    assert all(len(tok.encode(d).ids) == 1 for d in "0123456789")
+    return tok
+
+
+def render_prompt(content: str) -> str:
+    return f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def encode_batch(tok, pairs: list[tuple[int, int]], answers: list[str] | None = None):
+    """Prompt ids (all prompts have the same length), or prompt+answer+eos ids with loss labels."""
+    import torch
+
+    eos, pad = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    prompts = [tok.encode(render_prompt(f"{a}+{b}=")).ids for a, b in pairs]
+    if answers is None:
+        return torch.tensor(prompts)
+    width = len(prompts[0]) + max(map(len, answers)) + 1
+    ids = torch.full((len(pairs), width), pad)
+    labels = torch.full((len(pairs), width), -100)
+    for row, (prompt, answer) in enumerate(zip(prompts, answers)):
+        full = prompt + tok.encode(answer).ids + [eos]
+        ids[row, : len(full)] = torch.tensor(full)
+        labels[row, len(prompt) : len(full)] = ids[row, len(prompt) : len(full)]
+    return ids, labels
+
+
+def train(model, tok, pool: list[tuple[int, int]], steps: int, lr: float, pad_fraction: float,
+          rng: random.Random) -> None:
+    """AdamW with linear warmup and cosine decay; a pad_fraction of answers zero-padded."""
+    import math
+
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    warmup = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup)
+                                              * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    model.train()
+    for _ in range(steps):
+        batch = rng.sample(pool, PARAMS["batch_size"])
+        answers = [str(a + b).zfill(PARAMS["pad_width"]) if rng.random() < pad_fraction else str(a + b)
+                   for a, b in batch]
+        ids, labels = encode_batch(tok, batch, answers)
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+
+
+def evaluate(model, tok, pairs: list[tuple[int, int]]) -> dict[str, float]:
+    """Greedy decoding: exact-match accuracy and accuracy after stripping leading zeros."""
+    import torch
+
+    eos = tok.token_to_id("<|im_end|>")
+    ids = encode_batch(tok, pairs)
+    model.eval()
+    with torch.no_grad():
+        for _ in range(PARAMS["pad_width"] + 1):
+            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
+    width = ids.shape[1] - PARAMS["pad_width"] - 1
+    texts = [tok.decode(row[: row.index(eos)] if eos in row else row) for row in ids[:, width:].tolist()]
+    truth = [str(a + b) for a, b in pairs]
+    exact = sum(t == g for t, g in zip(texts, truth)) / len(pairs)
+    stripped = sum(t.lstrip("0") == g for t, g in zip(texts, truth)) / len(pairs)
+    return {"greedy": exact, "greedy_stripped": stripped}
+
+
+def build_model(tok, model_dir: Path, test: list[tuple[int, int]], pool: list[tuple[int, int]],
+                rng: random.Random) -> dict[str, Any]:
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(PARAMS["seed"])
+    torch.set_num_threads(PARAMS["threads"])
+    eot, eos = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+    config = Qwen2Config(vocab_size=tok.get_vocab_size(), tie_word_embeddings=True, bos_token_id=eot,
+                         eos_token_id=eos, pad_token_id=eot, dtype="float32", **PARAMS["model"])
+    model = Qwen2ForCausalLM(config)
+    train(model, tok, pool, PARAMS["sft_steps"], PARAMS["sft_lr"], 0.0, rng)
+    sft = evaluate(model, tok, test)
+    print(f"[tiny-task] after supervised pass: {sft}", flush=True)
+    train(model, tok, pool, PARAMS["format_steps"], PARAMS["format_lr"], PARAMS["format_pad_fraction"], rng)
+    final = evaluate(model, tok, test)
+    print(f"[tiny-task] after format pass: {final}", flush=True)
+    model.generation_config = GenerationConfig(bos_token_id=eot, eos_token_id=eos, pad_token_id=eot)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return {"sft": sft, **final, "n_params": sum(p.numel() for p in model.parameters()),
+            "vocab_size": config.vocab_size}
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {name: version(name) for name in ("torch", "transformers", "tokenizers", "pyarrow")}
+
+
+def build(out: Path) -> dict[str, Any]:
+    """Build into a temporary sibling of `out`, then swap it into place."""
+    start = time.time()
+    rng = random.Random(PARAMS["seed"])
+    test, rl_train, pool = split_pairs(rng)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write_parquet(tmp / "data" / "train.parquet", rl_train, "train")
+        write_parquet(tmp / "data" / "test.parquet", test, "test")
+        tok = train_tokenizer(tmp / "model")
+        result = build_model(tok, tmp / "model", test, pool, rng)
+        record = {"hash": build_hash(), "params": PARAMS, "accuracy": {k: result[k] for k in (
+                  "sft", "greedy", "greedy_stripped")}, "n_params": result["n_params"],
+                  "vocab_size": result["vocab_size"], "build_seconds": round(time.time() - start, 1),
+                  "versions": versions()}
+        (tmp / "BUILD.json").write_text(json.dumps(record, indent=2) + "\n")
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=default_out(), help="output directory")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the cache is up to date")
+    args = parser.parse_args(argv)
+    out = args.out.resolve()
+    if not args.force and is_up_to_date(out):
+        print(f"[tiny-task] cache is up to date: {out}")
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = build(out)
+    acc = record["accuracy"]
+    print(f"[tiny-task] built {out} in {record['build_seconds']} s: {record['n_params']} params, "
+          f"greedy accuracy {acc['greedy']:.3f}, after stripping leading zeros {acc['greedy_stripped']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
