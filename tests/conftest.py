@@ -1,0 +1,52 @@
+"""Shared fixtures: the tiny task (built once, cached) and small experiment configs around it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# vLLM on CPU: a small KV cache and scratch folders of the test session (see FACTS.md).
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_task() -> Path:
+    """The demo task's model and data, built by tools/build_tiny_task.py (cached across runs)."""
+    out = Path(os.environ.get("HPCRL_TINY_TASK_DIR", REPO / ".cache" / "tiny-addition"))
+    subprocess.run([sys.executable, str(REPO / "tools" / "build_tiny_task.py"), "--out", str(out)], check=True)
+    return out
+
+
+def experiment_toml(task: Path, runs_root: Path, name: str = "t", **sections) -> str:
+    """A small experiment over the tiny task; `sections` override keys, e.g. update={"world_size": 2}."""
+    base = {
+        "run": {"name": name, "runs_root": str(runs_root), "seed": 3, "iterations": 2, "eval_every": 1},
+        "model": {"path": str(task / "model"), "max_model_len": 64},
+        "data": {"train": str(task / "data" / "train.parquet"), "test": str(task / "data" / "test.parquet"),
+                 "max_val_prompts": 8},
+        "algorithm": {"group_size": 4, "prompts_per_iteration": 8},
+        "generate": {"max_tokens": 8},
+        "update": {"lr": 2e-4, "mini_batches": 2, "micro_batch_size": 8, "world_size": 1},
+    }
+    for section, values in sections.items():
+        base.setdefault(section, {}).update(values)
+    import tomli_w
+
+    return tomli_w.dumps(base)
+
+
+@pytest.fixture
+def write_experiment(tmp_path, tiny_task):
+    def write(name: str = "t", **sections) -> Path:
+        path = tmp_path / f"{name}.toml"
+        path.write_text(experiment_toml(tiny_task, tmp_path / "runs", name, **sections))
+        return path
+
+    return write

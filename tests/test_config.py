@@ -1,0 +1,120 @@
+"""Bad input is refused before any stage runs, with the file, the key and what was expected."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from hpcrl import config, preflight, runs
+from hpcrl.config import ConfigError
+
+
+def _load_checked(path):
+    exp = config.load(path)
+    preflight.check(exp, str(path))
+    return exp
+
+
+def test_unknown_key_names_file_section_and_key(tmp_path, write_experiment):
+    path = write_experiment(update={"learning_rate": 1e-3})
+    with pytest.raises(ConfigError) as err:
+        config.load(path)
+    assert str(path) in str(err.value)
+    assert "update.learning_rate: unknown key in [update]" in str(err.value)
+
+
+def test_wrong_type_names_key_and_expectation(write_experiment):
+    path = write_experiment(algorithm={"group_size": "eight"})
+    with pytest.raises(ConfigError, match=r"algorithm\.group_size: Input should be a valid integer.*'eight'"):
+        config.load(path)
+
+
+def test_missing_required_key(tmp_path):
+    path = tmp_path / "e.toml"
+    path.write_text('[run]\nname = "x"\n[data]\ntrain = "a.parquet"\n')
+    with pytest.raises(ConfigError, match=r"model: required key is missing"):
+        config.load(path)
+
+
+def test_invalid_toml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        config.load(bad)
+    with pytest.raises(ConfigError, match="config file not found"):
+        config.load(tmp_path / "nope.toml")
+
+
+def test_missing_data_file(write_experiment, tmp_path):
+    path = write_experiment(data={"train": str(tmp_path / "absent.parquet")})
+    with pytest.raises(ConfigError, match=r"data\.train: .*absent\.parquet: dataset file not found"):
+        _load_checked(path)
+
+
+def test_dataset_without_prompt_column(write_experiment, tmp_path):
+    pq.write_table(pa.table({"question": ["1+1="], "answer": ["2"]}), tmp_path / "noprompt.parquet")
+    path = write_experiment(data={"train": str(tmp_path / "noprompt.parquet")})
+    with pytest.raises(ConfigError, match=r"data\.train: .*noprompt\.parquet: no prompt column 'prompt'"):
+        _load_checked(path)
+
+
+def test_plain_columns_and_jsonl_are_accepted(write_experiment, tmp_path):
+    pq.write_table(pa.table({"prompt": ["1+1="], "answer": ["2"]}), tmp_path / "plain.parquet")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "2+2=", "answer": "4"}) + "\n")
+    exp = _load_checked(write_experiment(data={"train": str(tmp_path / "plain.parquet"),
+                                               "test": str(tmp_path / "p.jsonl")}))
+    assert exp.data.train.endswith("plain.parquet")
+
+
+def test_tokenizer_that_does_not_match_the_model(write_experiment, tiny_task, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    cfg = json.loads((tiny_task / "model" / "config.json").read_text())
+    cfg["vocab_size"] = 16
+    (model / "config.json").write_text(json.dumps(cfg))
+    path = write_experiment(model={"path": str(model), "tokenizer": str(tiny_task / "model")})
+    with pytest.raises(ConfigError, match=r"model\.tokenizer: the tokenizer .* has \d+ tokens but the model .* "
+                                          r"has vocab_size 16"):
+        _load_checked(path)
+
+
+def test_model_directory_without_config(write_experiment, tmp_path):
+    path = write_experiment(model={"path": str(tmp_path)})
+    with pytest.raises(ConfigError, match=r"model\.path: .*not an HF model directory"):
+        _load_checked(path)
+
+
+def test_unknown_reward_function(write_experiment):
+    path = write_experiment(reward={"functions": ["hpcrl.rewards:nope"]})
+    with pytest.raises(ConfigError, match=r"reward\.functions: .*has no function 'nope'"):
+        _load_checked(path)
+
+
+def test_batch_that_does_not_split_over_ranks(write_experiment):
+    path = write_experiment(update={"mini_batches": 3})
+    with pytest.raises(ConfigError, match=r"update\.mini_batches: 32 samples .* do not split evenly"):
+        _load_checked(path)
+
+
+def test_relative_paths_resolve_against_the_config_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    path = tmp_path / "sub" / "e.toml"
+    path.write_text('[model]\npath = "m"\n[data]\ntrain = "../d.parquet"\n')
+    exp = config.load(path)
+    assert exp.model.path == str(tmp_path / "sub" / "m")
+    assert exp.data.train == str(tmp_path / "d.parquet")
+
+
+def test_resume_refuses_changed_config_but_allows_more_iterations(write_experiment, tmp_path):
+    exp = config.load(write_experiment())
+    run, resumed = runs.prepare(exp, "e.toml")
+    assert not resumed and run.config_path.is_file()
+    frozen = config.load(run.config_path)
+    assert frozen == exp
+    with pytest.raises(ConfigError, match=r"update\.lr: run has 0\.0002, config has 0\.1"):
+        runs.prepare(config.with_overrides(exp, {"update.lr": 0.1}, "e.toml"), "e.toml")
+    longer = config.with_overrides(exp, {"run.iterations": 5}, "e.toml")
+    run2, resumed = runs.prepare(longer, "e.toml")
+    assert resumed and config.load(run2.config_path).run.iterations == 5
+    assert run2.read_run_info()["config_changes"][0]["keys"] == {"run.iterations": 5}
