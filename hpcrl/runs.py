@@ -66,4 +66,4 @@ def open_run(path: str | Path) -> tuple[RunDir, Experiment]:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")

@@ -16,7 +16,6 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from hpcrl import advantages as adv_lib
 from hpcrl import losses
 from hpcrl.config import Experiment
 from hpcrl.schemas import SAMPLE_KEYS

@@ -118,3 +118,10 @@ def test_resume_refuses_changed_config_but_allows_more_iterations(write_experime
     run2, resumed = runs.prepare(longer, "e.toml")
     assert resumed and config.load(run2.config_path).run.iterations == 5
     assert run2.read_run_info()["config_changes"][0]["keys"] == {"run.iterations": 5}
+
+
+def test_readme_config_reference_is_current():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert config.reference().rstrip() in readme, "README's config reference is stale: paste `hpcrl config`"
