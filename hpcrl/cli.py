@@ -36,7 +36,11 @@ def _drive(run: RunDir, exp: config.Experiment) -> None:
         _fail(str(err), 1)
     except KeyboardInterrupt:
         _fail(f"interrupted; continue with: hpcrl resume {run.root}", 130)
+    from hpcrl.controller import summary
+
     click.echo(f"run complete: {run.root}")
+    if line := summary(exp, run):
+        click.echo(line)
 
 
 @main.command()

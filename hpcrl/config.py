@@ -71,7 +71,7 @@ class GenerateConfig(Section):
     max_tokens: int = Field(64, ge=1, description="Longest response in tokens.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature for training rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
-    kv_cache_gib: float = Field(1.0, gt=0, description="vLLM KV cache on CPU (VLLM_CPU_KVCACHE_SPACE).")
+    kv_cache_gib: float = Field(1.0, gt=0, description="vLLM KV cache size on CPU in GiB (fractions allowed).")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM memory share on a GPU.")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size.")
 

@@ -36,6 +36,26 @@ def iteration_line(exp: Experiment, run: RunDir, k: int) -> str:
     return "  ".join(parts) + "  | " + times
 
 
+def summary(exp: Experiment, run: RunDir) -> str:
+    """How the reward and the validation score moved over the run."""
+    def series(key: str) -> list[float]:
+        values = []
+        for k, s in plan.all_stages(exp):
+            m = commit.read_manifest(run.stage_dir(k, s)) if s == "score" else None
+            if m and key in m["metrics"]:
+                values.append(m["metrics"][key])
+        return values
+
+    reward, val = series("critic/score/mean"), series("val/score")
+    parts = []
+    if reward:
+        last = reward[-3:]
+        parts.append(f"reward {reward[0]:.3f} (first iteration) -> {sum(last) / len(last):.3f} (mean of last {len(last)})")
+    if val:
+        parts.append(f"val/score {val[0]:.3f} -> {val[-1]:.3f}")
+    return "; ".join(parts)
+
+
 def _wait(job: executors.StageJob, show_progress: bool) -> None:
     """Block until the job ends, with a progress indicator when a person is watching."""
     from tqdm import tqdm

@@ -34,7 +34,6 @@ def configure_env(exp: Experiment, scratch: Path | None = None) -> None:
     # In-process engine core: 3-5 s to start instead of 15-33 s, and no spawned workers.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if not on_gpu():
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{max(1, round(exp.generate.kv_cache_gib))}")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
@@ -46,6 +45,8 @@ def make_engine(exp: Experiment, model_path: Path, seed: int):
     if on_gpu():
         kwargs["gpu_memory_utilization"] = exp.generate.gpu_memory_utilization
         kwargs["tensor_parallel_size"] = exp.generate.tensor_parallel_size
+    else:  # explicit KV cache size (unset, vLLM takes most of the node's memory; see FACTS.md)
+        kwargs["kv_cache_memory_bytes"] = int(exp.generate.kv_cache_gib * (1 << 30))
     return LLM(
         model=str(model_path),
         tokenizer=exp.tokenizer_path,

@@ -23,11 +23,18 @@ import json
 import os
 import random
 import shutil
+import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import Qwen2ForCausalLM
+
+Pair = tuple[int, int]
 REPO = Path(__file__).resolve().parents[1]
 DATA_SOURCE = "tiny_addition"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # pad/unk, turn start, eos
@@ -48,15 +55,18 @@ PARAMS: dict[str, Any] = {
     "operand_range": [10, 99],
     "n_train": 2048,
     "n_test": 128,
-    "model": {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 4,
-              "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 64},
+    "model": {
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 2,  # head_dim 32
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 64,
+    },
     "batch_size": 128,
-    "sft_steps": 600,
-    "sft_lr": 3e-3,
-    "format_steps": 40,
-    "format_lr": 1e-3,
-    "format_pad_fraction": 0.6,
-    "pad_width": 4,
+    "pad_width": 4,  # the unrewarded format: "0082"
+    "sft": {"steps": 500, "lr": 3e-3, "pad_fraction": 0.0, "cosine": True},
+    "format": {"steps": 300, "lr": 3e-4, "pad_fraction": 0.6, "cosine": False},
 }
 
 
@@ -76,7 +86,7 @@ def is_up_to_date(out: Path) -> bool:
         return False
 
 
-def split_pairs(rng: random.Random) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+def split_pairs(rng: random.Random) -> tuple[list[Pair], list[Pair], list[Pair]]:
     """All operand pairs, shuffled: (test, rl_train, sft_pool); sft_pool is everything except test."""
     lo, hi = PARAMS["operand_range"]
     pairs = [(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)]
@@ -86,46 +96,57 @@ def split_pairs(rng: random.Random) -> tuple[list[tuple[int, int]], list[tuple[i
     return test, rest[: PARAMS["n_train"]], rest
 
 
-def write_parquet(path: Path, pairs: list[tuple[int, int]], split: str) -> None:
+def write_parquet(path: Path, pairs: list[Pair], split: str) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     message = pa.struct([("role", pa.string()), ("content", pa.string())])
-    schema = pa.schema([
-        ("data_source", pa.string()),
-        ("prompt", pa.list_(message)),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-        ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64())])),
-    ])
-    rows = [{
-        "data_source": DATA_SOURCE,
-        "prompt": [{"role": "user", "content": f"{a}+{b}="}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-        "extra_info": {"split": split, "index": i},
-    } for i, (a, b) in enumerate(pairs)]
+    reward_model = pa.struct([("style", pa.string()), ("ground_truth", pa.string())])
+    extra_info = pa.struct([("split", pa.string()), ("index", pa.int64())])
+    schema = pa.schema(
+        [("data_source", pa.string()), ("prompt", pa.list_(message)), ("ability", pa.string()),
+         ("reward_model", reward_model), ("extra_info", extra_info)]
+    )  # fmt: skip
+    rows = [
+        {
+            "data_source": DATA_SOURCE,
+            "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+            "extra_info": {"split": split, "index": i},
+        }
+        for i, (a, b) in enumerate(pairs)
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
 
 
-def train_tokenizer(model_dir: Path):
+def train_tokenizer(model_dir: Path) -> Tokenizer:
     """Byte-level BPE with Qwen2's normalizer/pre-tokenizer/decoder; saved so AutoTokenizer agrees."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=SPECIAL_TOKENS, initial_alphabet=alphabet, show_progress=False
+    )
     tok.train_from_iterator(["system\n", "user\n", "assistant\n", "0123456789+="] * 8, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                            chat_template=CHAT_TEMPLATE).save_pretrained(model_dir)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    ).save_pretrained(model_dir)
+    # Name the class transformers 5 picks for qwen2 anyway; transformers 4 maps it to Qwen2TokenizerFast.
+    config_path = model_dir / "tokenizer_config.json"
+    config = {**json.loads(config_path.read_text()), "tokenizer_class": "Qwen2Tokenizer"}
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
     loaded = AutoTokenizer.from_pretrained(model_dir)
     samples = [render_prompt("37+45=") + "82<|im_end|>", "Hello, world!  12345 +=\n\n x ü", " a  b "]
     for text in samples:
@@ -139,7 +160,9 @@ def render_prompt(content: str) -> str:
     return f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def encode_batch(tok, pairs: list[tuple[int, int]], answers: list[str] | None = None):
+def encode_batch(
+    tok: Tokenizer, pairs: list[Pair], answers: list[str] | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Prompt ids (all prompts have the same length), or prompt+answer+eos ids with loss labels."""
     import torch
 
@@ -150,29 +173,31 @@ def encode_batch(tok, pairs: list[tuple[int, int]], answers: list[str] | None = 
     width = len(prompts[0]) + max(map(len, answers)) + 1
     ids = torch.full((len(pairs), width), pad)
     labels = torch.full((len(pairs), width), -100)
-    for row, (prompt, answer) in enumerate(zip(prompts, answers)):
+    for row, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
         full = prompt + tok.encode(answer).ids + [eos]
         ids[row, : len(full)] = torch.tensor(full)
         labels[row, len(prompt) : len(full)] = ids[row, len(prompt) : len(full)]
     return ids, labels
 
 
-def train(model, tok, pool: list[tuple[int, int]], steps: int, lr: float, pad_fraction: float,
-          rng: random.Random) -> None:
-    """AdamW with linear warmup and cosine decay; a pad_fraction of answers zero-padded."""
+def train(
+    model: Qwen2ForCausalLM, tok: Tokenizer, pool: list[Pair], rng: random.Random,
+    steps: int, lr: float, pad_fraction: float, cosine: bool,
+) -> None:  # fmt: skip
+    """AdamW, linear warmup, then cosine decay or constant; a pad_fraction of answers zero-padded."""
     import math
 
     import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     warmup = max(1, steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup)
-                                              * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    decay = (lambda s: 0.5 + 0.5 * math.cos(math.pi * s / steps)) if cosine else (lambda s: 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * decay(s))
     model.train()
     for _ in range(steps):
         batch = rng.sample(pool, PARAMS["batch_size"])
-        answers = [str(a + b).zfill(PARAMS["pad_width"]) if rng.random() < pad_fraction else str(a + b)
-                   for a, b in batch]
+        width = [PARAMS["pad_width"] if rng.random() < pad_fraction else 0 for _ in batch]
+        answers = [str(a + b).zfill(w) for (a, b), w in zip(batch, width, strict=True)]
         ids, labels = encode_batch(tok, batch, answers)
         loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad()
@@ -182,7 +207,7 @@ def train(model, tok, pool: list[tuple[int, int]], steps: int, lr: float, pad_fr
         sched.step()
 
 
-def evaluate(model, tok, pairs: list[tuple[int, int]]) -> dict[str, float]:
+def evaluate(model: Qwen2ForCausalLM, tok: Tokenizer, pairs: list[Pair]) -> dict[str, float]:
     """Greedy decoding: exact-match accuracy and accuracy after stripping leading zeros."""
     import torch
 
@@ -195,32 +220,35 @@ def evaluate(model, tok, pairs: list[tuple[int, int]]) -> dict[str, float]:
     width = ids.shape[1] - PARAMS["pad_width"] - 1
     texts = [tok.decode(row[: row.index(eos)] if eos in row else row) for row in ids[:, width:].tolist()]
     truth = [str(a + b) for a, b in pairs]
-    exact = sum(t == g for t, g in zip(texts, truth)) / len(pairs)
-    stripped = sum(t.lstrip("0") == g for t, g in zip(texts, truth)) / len(pairs)
+    exact = sum(t == g for t, g in zip(texts, truth, strict=True)) / len(pairs)
+    stripped = sum(t.lstrip("0") == g for t, g in zip(texts, truth, strict=True)) / len(pairs)
     return {"greedy": exact, "greedy_stripped": stripped}
 
 
-def build_model(tok, model_dir: Path, test: list[tuple[int, int]], pool: list[tuple[int, int]],
-                rng: random.Random) -> dict[str, Any]:
+def build_model(
+    tok: Tokenizer, model_dir: Path, test: list[Pair], pool: list[Pair], rng: random.Random
+) -> dict[str, Any]:
+    """Supervised pass, then the format pass; saves the model and returns accuracies and sizes."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(PARAMS["seed"])
     torch.set_num_threads(PARAMS["threads"])
     eot, eos = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
-    config = Qwen2Config(vocab_size=tok.get_vocab_size(), tie_word_embeddings=True, bos_token_id=eot,
-                         eos_token_id=eos, pad_token_id=eot, dtype="float32", **PARAMS["model"])
+    ids = {"bos_token_id": eot, "eos_token_id": eos, "pad_token_id": eot}
+    config = Qwen2Config(vocab_size=tok.get_vocab_size(), tie_word_embeddings=True, **ids, **PARAMS["model"])
     model = Qwen2ForCausalLM(config)
-    train(model, tok, pool, PARAMS["sft_steps"], PARAMS["sft_lr"], 0.0, rng)
+    train(model, tok, pool, rng, **PARAMS["sft"])
     sft = evaluate(model, tok, test)
     print(f"[tiny-task] after supervised pass: {sft}", flush=True)
-    train(model, tok, pool, PARAMS["format_steps"], PARAMS["format_lr"], PARAMS["format_pad_fraction"], rng)
+    train(model, tok, pool, rng, **PARAMS["format"])
     final = evaluate(model, tok, test)
     print(f"[tiny-task] after format pass: {final}", flush=True)
-    model.generation_config = GenerationConfig(bos_token_id=eot, eos_token_id=eos, pad_token_id=eot)
+    model.generation_config = GenerationConfig(**ids)
     model.save_pretrained(model_dir, safe_serialization=True)
-    return {"sft": sft, **final, "n_params": sum(p.numel() for p in model.parameters()),
-            "vocab_size": config.vocab_size}
+    (model_dir / "model.safetensors").chmod(0o644)  # saved through a private temporary file (mode 600)
+    n_params = sum(p.numel() for p in model.parameters())
+    return {"accuracy": {"sft": sft, **final}, "n_params": n_params, "vocab_size": config.vocab_size}
 
 
 def versions() -> dict[str, str]:
@@ -229,24 +257,34 @@ def versions() -> dict[str, str]:
     return {name: version(name) for name in ("torch", "transformers", "tokenizers", "pyarrow")}
 
 
+def remove_stale_builds(out: Path) -> None:
+    """Delete temporary directories left on this host by builds that were killed (SIGKILL/SIGTERM)."""
+    for stale in out.parent.glob(f".{out.name}.*-{socket.gethostname()}-*"):
+        try:
+            os.kill(int(stale.name.rsplit("-", 1)[1]), 0)
+        except (ProcessLookupError, ValueError):
+            shutil.rmtree(stale, ignore_errors=True)
+        except PermissionError:
+            pass  # the process is alive (owned by someone else)
+
+
 def build(out: Path) -> dict[str, Any]:
     """Build into a temporary sibling of `out`, then swap it into place."""
     start = time.time()
     rng = random.Random(PARAMS["seed"])
     test, rl_train, pool = split_pairs(rng)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tag = f"{socket.gethostname()}-{os.getpid()}"
+    tmp, old = out.parent / f".{out.name}.tmp-{tag}", out.parent / f".{out.name}.old-{tag}"
+    remove_stale_builds(out)
     try:
         write_parquet(tmp / "data" / "train.parquet", rl_train, "train")
         write_parquet(tmp / "data" / "test.parquet", test, "test")
         tok = train_tokenizer(tmp / "model")
         result = build_model(tok, tmp / "model", test, pool, rng)
-        record = {"hash": build_hash(), "params": PARAMS, "accuracy": {k: result[k] for k in (
-                  "sft", "greedy", "greedy_stripped")}, "n_params": result["n_params"],
-                  "vocab_size": result["vocab_size"], "build_seconds": round(time.time() - start, 1),
-                  "versions": versions()}
+        seconds = round(time.time() - start, 1)
+        record = {"hash": build_hash(), "params": PARAMS, **result}
+        record.update(build_seconds=seconds, versions=versions())
         (tmp / "BUILD.json").write_text(json.dumps(record, indent=2) + "\n")
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
         if out.exists():
             out.rename(old)
         tmp.rename(out)
@@ -268,8 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     record = build(out)
     acc = record["accuracy"]
-    print(f"[tiny-task] built {out} in {record['build_seconds']} s: {record['n_params']} params, "
-          f"greedy accuracy {acc['greedy']:.3f}, after stripping leading zeros {acc['greedy_stripped']:.3f}")
+    print(
+        f"[tiny-task] built {out} in {record['build_seconds']} s: {record['n_params']} params, "
+        f"greedy accuracy {acc['greedy']:.3f}, after stripping leading zeros {acc['greedy_stripped']:.3f}"
+    )
     return 0
 
 
