@@ -23,6 +23,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -304,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[tiny-task] cache is up to date: {out}")
         return 0
     out.parent.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run build()'s cleanup on SIGTERM too
     record = build(out)
     acc = record["accuracy"]
     print(
