@@ -87,8 +87,16 @@ def test_two_ranks_match_one_rank_and_export_reloads_exactly(write_experiment, o
     two, one = _weights(run), _weights(one_rank)
     base = load_file(run.policy_dir(0, config.load(run.config_path).model.path) / "model.safetensors")
     assert any(not torch.equal(two[k], base[k]) for k in two)  # the update changed the policy
-    for k in one:  # the token-mean loss does not depend on how the batch is split over ranks
-        torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-5)
+    # the token-mean loss does not depend on how the batch is split over ranks: same loss and
+    # gradient norm; weights equal up to Adam's amplification of float noise in near-zero gradients
+    ref_stats = commit.read_table(one_rank.stage_dir(0, "update"), "stats").to_pylist()
+    for a, b in zip(stats, ref_stats, strict=True):
+        assert a["pg_loss"] == pytest.approx(b["pg_loss"], rel=1e-5, abs=1e-7)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["tokens"] == b["tokens"]
+    lr = config.load(run.config_path).update.lr
+    diffs = torch.cat([(two[k] - one[k]).abs().flatten() for k in one])
+    assert diffs.max() < 0.5 * lr and diffs.mean() < 1e-3 * lr
     # the exported HF weights are exactly the DeepSpeed state's fp32 weights
     trainer_state = get_fp32_state_dict_from_zero_checkpoint(str(run.stage_dir(0, "update") / "trainer"), tag="state")
     model = AutoModelForCausalLM.from_pretrained(run.stage_dir(0, "update") / "policy", dtype=torch.float32)
