@@ -38,6 +38,9 @@ def body(ctx: StageContext) -> None:
     if version > 0:
         ctx.input_dir("update", k - 1)
     ctx.policy_version = version
+    with ctx.timed("startup"):
+        generation.configure_env(exp)
+        import vllm  # noqa: F401  (import cost is process start-up, not model loading)
     with ctx.timed("load"):
         llm = generation.make_engine(exp, ctx.run.policy_dir(version, exp.model.path), ctx.seed)
     with ctx.timed("io"):

@@ -18,9 +18,10 @@ from stages import cli_args
 
 
 def body(ctx: StageContext) -> None:
-    import deepspeed
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    with ctx.timed("startup"):
+        import deepspeed
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
     exp, k, rank, world = ctx.exp, ctx.iteration, ctx.rank, ctx.world_size
     gen, scored = ctx.input_dir("generate"), ctx.input_dir("score")

@@ -7,7 +7,8 @@ parquet I/O, per stage, for the demo experiment (or another one).
 Each repeat runs iteration 0 of a fresh copy of the run through the real LocalExecutor, as
 `hpcrl submit` does, and reads the phase timings from the committed manifests. "start-up" is
 everything before the stage's own code runs (submitit launching the process, the interpreter,
-imports); "other" is what remains of the job's wall time (commit, teardown).
+imports of vLLM / DeepSpeed / transformers); "exit+exec" is what remains of the job's wall time
+(interpreter teardown after the commit, and submitit's launch and bookkeeping).
 """
 
 from __future__ import annotations
@@ -34,12 +35,15 @@ def one_iteration(exp: config.Experiment, root: Path, name: str) -> dict[str, di
     for stage in ("generate", "score", "update"):
         t0 = time.perf_counter()
         job = ex.submit(stage, 0)
-        job.job.results()
+        while not job.done():  # poll finely: submitit's own wait() sleeps in whole seconds
+            time.sleep(0.02)
+        if job.error() is not None:
+            raise RuntimeError(f"{stage} failed: {job.stderr_tail()}")
         wall = time.perf_counter() - t0
         timings = commit.read_manifest(run.stage_dir(0, stage))["timings"]
         row = {p: timings.get(p, 0.0) for p in PHASES}
         row["wall"] = wall
-        row["other"] = wall - sum(row[p] for p in PHASES)
+        row["exit+exec"] = wall - sum(row[p] for p in PHASES)
         out[stage] = row
     return out
 
@@ -55,7 +59,7 @@ def main() -> None:
         for r in range(args.repeats):
             results.append(one_iteration(exp, Path(tmp), f"bench{r}"))
             print(f"repeat {r + 1}/{args.repeats} done", file=sys.stderr)
-    cols = ("wall", "startup", "load", "compute", "io", "other")
+    cols = ("wall", "startup", "load", "compute", "io", "exit+exec")
     print(f"one staged iteration of {args.config} (median of {args.repeats}; seconds, share of stage wall time)")
     print(f"{'stage':<10}" + "".join(f"{c:>16}" for c in cols))
     totals = dict.fromkeys(cols, 0.0)
