@@ -179,6 +179,9 @@ def train_step(engine, samples: Samples, mini: list[int], adv: torch.Tensor, old
         logp = losses.token_logprobs(logits, mb.targets, temperature)
         out = losses.ppo_clip(logp, padded(old, mb), adv[mb.index].to(logp.device), mb.mask, a.clip_ratio,
                               padded(ref, mb) if ref is not None else None, a.kl_coef, a.kl_estimator, n_tokens)
+        if not torch.isfinite(out.loss):
+            raise FloatingPointError(f"non-finite loss ({out.loss.item()}) on rank {rank}; the update is not "
+                                     "committed and the run stays at the last good policy version")
         engine.backward(out.loss * scale)
         tokens = float(mb.mask.sum())
         with torch.no_grad():

@@ -84,6 +84,13 @@ def test_mlflow_has_the_metrics_and_artifacts(straight):
     assert status == "FINISHED"
     params = dict(con.execute("select key, value from params where run_uuid=?", (info["mlflow_run_id"],)))
     assert params["algorithm.group_size"] == "4"
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(info["mlflow_tracking_uri"])
+    artifacts = {a.path for a in client.list_artifacts(info["mlflow_run_id"])}
+    assert {"experiment.toml", "samples"} <= artifacts
+    samples = {a.path for a in client.list_artifacts(info["mlflow_run_id"], "samples")}
+    assert "samples/iter_000000.json" in samples
 
 
 def _committed(run: RunDir) -> dict[tuple[int, str], bytes]:
@@ -142,3 +149,22 @@ def test_status_shows_committed_stages_and_second_controller_is_refused(straight
         res = subprocess.run([sys.executable, "-m", "hpcrl.cli", "resume", str(run.root)], capture_output=True,
                              text=True, env=env)
     assert res.returncode == 2 and "already driven by another controller" in res.stderr
+
+
+def test_failed_stage_is_retried_then_stops_the_run_with_job_log_and_stderr(setup, tiny_task):
+    import tests.conftest as c
+
+    root, env, _ = setup
+    (root / "bad_reward.py").write_text(
+        "def boom(response, ground_truth, **_):\n    raise ValueError('verifier crashed on purpose')\n")
+    path = root / "failing.toml"
+    path.write_text(c.experiment_toml(tiny_task, root / "runs", "failing", reward={"functions": ["bad_reward:boom"]},
+                                      executor={"max_retries": 1}))
+    proc = hpcrl("submit", str(path), env=env)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 1, out
+    assert "stage score of iteration 0 failed (job" in out and "attempt 1/2" in out and "retrying" in out
+    assert "attempt 2/2" in out and "verifier crashed on purpose" in out and "log: " in out
+    run = RunDir.at(root / "runs" / "failing")
+    assert commit.is_committed(run.stage_dir(0, "generate"))
+    assert not commit.is_committed(run.stage_dir(0, "score"))

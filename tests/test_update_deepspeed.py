@@ -124,3 +124,23 @@ def test_committed_update_is_not_run_again(one_rank):
     exp = config.load(one_rank.config_path)
     executors.LocalExecutor(one_rank, exp).submit("update", 0).job.results()
     assert (one_rank.stage_dir(0, "update") / "_COMMIT.json").read_bytes() == before
+
+
+def test_kl_penalty_to_the_reference_policy(write_experiment):
+    exp_kl = {"kl_coef": 0.1, "kl_estimator": "k3"}
+    from transformers import AutoTokenizer
+
+    exp = config.load(write_experiment("kl", algorithm=exp_kl, run={"iterations": 1}))
+    run, _ = runs.prepare(exp, "kl")
+    _commit_inputs(run, exp, AutoTokenizer.from_pretrained(exp.model.path))
+    executors.LocalExecutor(run, exp).submit("update", 0).job.results()
+    d = run.stage_dir(0, "update")
+    adv = commit.read_table(d, "advantages").to_pylist()
+    # at iteration 0 the policy is the reference: both logprob recomputations agree
+    for row in adv:
+        assert row["ref_logprobs"] is not None
+        np.testing.assert_allclose(row["ref_logprobs"], row["old_logprobs"], atol=1e-6)
+    stats = commit.read_table(d, "stats").to_pylist()
+    assert stats[0]["kl_ref"] == pytest.approx(0.0, abs=1e-9)  # before any step
+    assert stats[1]["kl_ref"] > 0  # the first step moved the policy away from the reference
+    assert commit.read_manifest(d)["metrics"]["actor/kl_loss"] > 0
