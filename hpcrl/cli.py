@@ -43,10 +43,7 @@ def _drive(run: RunDir, exp: config.Experiment) -> None:
         click.echo(line)
 
 
-@main.command()
-@click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
-def submit(experiment: Path) -> None:
-    """Validate EXPERIMENT (a TOML file) and run it; resubmitting continues the same run."""
+def _prepare(experiment: Path):
     from hpcrl import preflight, runs
 
     try:
@@ -55,9 +52,76 @@ def submit(experiment: Path) -> None:
         run, resumed = runs.prepare(exp, str(experiment))
     except ConfigError as err:
         _fail(str(err))
+    return exp, run, resumed
+
+
+@main.command()
+@click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--foreground", is_flag=True, help="Slurm: drive the run from this terminal instead of a controller job.")
+@click.option("--dry-run", is_flag=True, help="Write every sbatch script of the run under RUN/sbatch/ and stop.")
+def submit(experiment: Path, foreground: bool, dry_run: bool) -> None:
+    """Validate EXPERIMENT (a TOML file) and run it; resubmitting continues the same run.
+
+    With the local executor the run is driven in this terminal. With the Slurm executor the
+    controller is submitted as a small Slurm job and this command returns (--foreground keeps it here).
+    """
+    exp, run, resumed = _prepare(experiment)
+    if dry_run:
+        from hpcrl import sbatch
+
+        try:
+            paths = sbatch.write_all(run, exp)
+        except ConfigError as err:
+            _fail(str(err))
+        click.echo(f"wrote {len(paths)} sbatch scripts under {paths[0].parent} (nothing submitted)")
+        return
     if resumed:
         click.echo(f"resuming the existing run {exp.run.name}")
+    if exp.executor.kind == "slurm" and not foreground:
+        from hpcrl.controller import submit_controller
+
+        job_id = submit_controller(run, exp)
+        click.echo(f"submitted the controller as Slurm job {job_id}\nrun directory: {run.root}\n"
+                   f"follow it:  hpcrl status {run.root}    (logs: {run.logs}/{job_id}/)\n"
+                   f"cancel it:  hpcrl cancel {run.root}")
+        return
     _drive(run, exp)
+
+
+@main.command("sbatch")
+@click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--stage", type=click.Choice(["generate", "score", "update"]), help="A stage script instead of the controller's.")
+@click.option("--iteration", type=int, default=0, show_default=True)
+def sbatch_cmd(experiment: Path, stage: str | None, iteration: int) -> None:
+    """Print the exact sbatch script of the controller or of one stage (creates the run directory,
+    which the script needs, like submit --dry-run)."""
+    from hpcrl import sbatch
+
+    exp, run, _ = _prepare(experiment)
+    try:
+        click.echo(sbatch.render(run, exp, stage or "controller", iteration if stage else None), nl=False)
+    except ConfigError as err:
+        _fail(str(err))
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
+def cancel(run_dir: Path) -> None:
+    """Cancel every Slurm job of RUN_DIR (controller and stages); committed outputs stay."""
+    import subprocess
+
+    from hpcrl import runs
+
+    try:
+        run, _ = runs.open_run(run_dir)
+    except ConfigError as err:
+        _fail(str(err))
+    ids = sorted({j["job_id"] for j in run.jobs()})
+    if not ids:
+        click.echo("no jobs recorded for this run")
+        return
+    subprocess.run(["scancel", *ids], check=False)
+    click.echo(f"cancelled jobs {', '.join(ids)}; continue later with: hpcrl submit or hpcrl resume {run.root}")
 
 
 @main.command()
@@ -121,6 +185,11 @@ def status(run_dir: Path, verify: bool) -> None:
         click.echo(f"{k:>6}  " + "  ".join(f"{c:<12}" for c in cells) + f"  {reward:<7}  {val}")
     nxt = plan.next_stage(run, exp)
     click.echo("complete" if nxt is None else f"next: iteration {nxt[0]} {nxt[1]}")
+    if exp.executor.kind == "slurm" and run.jobs():
+        from hpcrl.slurm import job_table
+
+        click.echo("\nSlurm jobs:")
+        click.echo(job_table(run.jobs()))
     for p in problems:
         click.echo(f"CORRUPT: {p}", err=True)
     if problems:

@@ -92,11 +92,29 @@ class UpdateConfig(Section):
     world_size: int = Field(1, ge=1, description="DeepSpeed ranks for the update (processes on this node).")
 
 
+class SlurmResources(Section):
+    partition: str = Field("", description="Slurm partition (empty: the cluster's default).")
+    nodes: int = Field(1, ge=1, description="Nodes of the job; the update's ranks (update.world_size) are spread evenly over them.")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node (gres gpu).")
+    cpus_per_task: int = Field(2, ge=1, description="CPUs per task.")
+    mem_gb: float = Field(0, ge=0, description="Memory per node in GB (0: the partition's default).")
+    time_min: int = Field(60, ge=1, description="Time limit in minutes; the job is signalled before it and requeued.")
+    account: str = Field("", description="Slurm account.")
+    qos: str = Field("", description="Slurm QOS.")
+    constraint: str = Field("", description="Node features (--constraint).")
+    extra: dict[str, str] = Field({}, description="More sbatch options, e.g. {exclude = \"n3\"} (values are quoted, never run).")
+
+
 class ExecutorConfig(Section):
-    kind: Literal["local"] = Field("local", description="Where stage jobs run: `local` (submitit LocalExecutor).")
+    kind: Literal["local", "slurm"] = Field("local", description="Where stage jobs run: `local` (submitit LocalExecutor on this machine) or `slurm` (a Slurm job per stage).")
     mode: Literal["staged"] = Field("staged", description="`staged`: each stage is its own job.")
     max_retries: int = Field(1, ge=0, description="Retries of a failed stage before the run stops.")
-    timeout_min: int = Field(60, ge=1, description="Time limit of one stage job in minutes.")
+    timeout_min: int = Field(60, ge=1, description="Time limit of one local stage job in minutes.")
+    lookahead: int = Field(2, ge=0, description="Slurm: stages submitted ahead of the running one with afterok dependencies.")
+    controller: SlurmResources = Field(SlurmResources(cpus_per_task=1, time_min=1440), description="Slurm resources of the controller job.")
+    generate: SlurmResources = Field(SlurmResources(), description="Slurm resources of generate jobs.")
+    score: SlurmResources = Field(SlurmResources(), description="Slurm resources of score jobs.")
+    update: SlurmResources = Field(SlurmResources(), description="Slurm resources of update jobs.")
 
 
 class TrackingConfig(Section):
@@ -203,13 +221,19 @@ def dumps(exp: Experiment) -> str:
     return tomli_w.dumps(exp.model_dump())
 
 
+def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in values.items():
+        if isinstance(v, dict) and k != "extra":
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def flat(exp: Experiment) -> dict[str, Any]:
     """The config as dotted keys (for MLflow params and diffs)."""
-    out = {}
-    for section, values in exp.model_dump().items():
-        for k, v in values.items():
-            out[f"{section}.{k}"] = v
-    return out
+    return _flatten(exp.model_dump())
 
 
 def resume_conflicts(frozen: Experiment, new: Experiment) -> list[str]:
@@ -220,14 +244,31 @@ def resume_conflicts(frozen: Experiment, new: Experiment) -> list[str]:
                                          for c in RESUMABLE_CHANGES)]
 
 
+def _toml_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    return tomli_w.dumps({"x": value})[4:].strip()
+
+
+def _reference(model: type[BaseModel], section: str, lines: list[str], defaults: BaseModel | None = None) -> None:
+    nested = []
+    lines.append(f"[{section}]")
+    for name, f in model.model_fields.items():
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            nested.append((name, f))
+            continue
+        value = getattr(defaults, name) if defaults is not None else f.default
+        lines += [f"# {f.description}", f"{name} = {'(required)' if f.is_required() else _toml_value(value)}"]
+    lines.append("")
+    for name, f in nested:
+        lines.append(f"# [{section}.{name}]: {f.description}")
+        _reference(f.annotation, f"{section}.{name}", lines, f.default)
+
+
 def reference() -> str:
     """Every key with its default and description, as commented TOML."""
-    lines = []
+    lines: list[str] = []
     for section, field in Experiment.model_fields.items():
-        lines.append(f"[{section}]")
-        for name, f in field.annotation.model_fields.items():
-            default = "(required)" if f.is_required() else tomli_w.dumps({"x": f.default})[4:].strip()
-            lines.append(f"# {f.description}")
-            lines.append(f"{name} = {default}")
-        lines.append("")
+        _reference(field.annotation, section, lines)
     return "\n".join(lines)

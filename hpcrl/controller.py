@@ -11,6 +11,8 @@ import sys
 import time
 from collections.abc import Callable
 
+import submitit
+
 from hpcrl import commit, executors, plan
 from hpcrl.config import Experiment
 from hpcrl.rundir import RunDir, RunLock
@@ -63,9 +65,13 @@ def _wait(job: executors.StageJob, show_progress: bool) -> None:
     desc = f"iter {job.iteration} {job.stage} (job {job.job_id})"
     with tqdm(desc=desc, bar_format="{desc}: {elapsed}", disable=not show_progress, leave=False,
               file=sys.stderr) as bar:
-        while not job.done():
-            time.sleep(0.2)
-            bar.refresh()
+        try:
+            while not job.done():
+                time.sleep(0.2)
+                bar.refresh()
+        except KeyboardInterrupt:
+            job.cancel()
+            raise
 
 
 class Controller:
@@ -80,9 +86,7 @@ class Controller:
             executor = executors.make(self.run, self.exp)
             status = "FAILED"
             try:
-                while (nxt := plan.next_stage(self.run, self.exp)) is not None:
-                    self._run_stage(executor, *nxt)
-                    self._after_commit(tracker, *nxt)
+                self._drive(executor, tracker)
                 status = "FINISHED"
             except KeyboardInterrupt:
                 status = "KILLED"
@@ -90,24 +94,48 @@ class Controller:
             finally:
                 tracker.finish(status)
 
-    def _run_stage(self, executor, k: int, stage: str) -> None:
-        attempts = self.exp.executor.max_retries + 1
-        for attempt in range(1, attempts + 1):
-            job = executor.submit(stage, k)
-            try:
-                _wait(job, self.show_progress)
-            except KeyboardInterrupt:
+    def _drive(self, executor, tracker: Tracker) -> None:
+        """Run the uncommitted stages in order; with Slurm, keep `lookahead` more queued behind
+        the running one (afterok), so queue wait overlaps work."""
+        queue: list[executors.StageJob] = []
+        failures: dict[tuple[int, str], int] = {}
+        try:
+            while True:
+                pending = plan.pending_stages(self.run, self.exp)
+                if not pending and not queue:
+                    return
+                queued = {(j.iteration, j.stage) for j in queue}
+                for k, stage in pending:
+                    if len(queue) > executor.lookahead:
+                        break
+                    if (k, stage) not in queued:
+                        queue.append(executor.submit(stage, k, after=queue[-1] if queue else None))
+                        self.run.record_job(queue[-1].job_id, stage, k)
+                head = queue.pop(0)
+                _wait(head, self.show_progress)
+                if head.error() is None and commit.is_committed(self.run.stage_dir(head.iteration, head.stage)):
+                    self._after_commit(tracker, head.iteration, head.stage)
+                    continue
+                for job in queue:  # they depend on the failed one
+                    job.cancel()
+                queue.clear()
+                self._failed(head, failures)
+        except KeyboardInterrupt:
+            for job in queue:
                 job.cancel()
-                raise
-            error = job.error()
-            if error is None and commit.is_committed(self.run.stage_dir(k, stage)):
-                return
-            out, err = job.log_paths()
-            msg = (f"stage {stage} of iteration {k} failed (job {job.job_id}, attempt {attempt}/{attempts}); "
-                   f"log: {err}\n--- last lines of stderr ---\n{job.stderr_tail()}")
-            if attempt == attempts:
-                raise StageFailedError(msg)
-            self.echo(msg + "\nretrying")
+            raise
+
+    def _failed(self, job: executors.StageJob, failures: dict) -> None:
+        key = (job.iteration, job.stage)
+        failures[key] = failures.get(key, 0) + 1
+        attempts = self.exp.executor.max_retries + 1
+        _, err = job.log_paths()
+        msg = (f"stage {job.stage} of iteration {job.iteration} failed (job {job.job_id}, attempt "
+               f"{failures[key]}/{attempts}{job.where()}); log: {err}\n--- last lines of stderr ---\n"
+               f"{job.stderr_tail()}")
+        if failures[key] >= attempts:
+            raise StageFailedError(msg)
+        self.echo(msg + "\nretrying")
 
     def _after_commit(self, tracker: Tracker, k: int, stage: str) -> None:
         manifest = commit.read_manifest(self.run.stage_dir(k, stage))
@@ -118,6 +146,29 @@ class Controller:
             tracker.log_table(sample_rows(self.run, k), f"samples/iter_{k:06d}.json")
         if stage == plan.stages_of(self.exp, k)[-1]:
             self.echo(iteration_line(self.exp, self.run, k))
+
+
+class ControllerCall(submitit.helpers.Checkpointable):
+    """The controller as a Slurm job (`hpcrl submit` with executor.kind = "slurm"); requeued by
+    submitit before its time limit, it continues from the run directory."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+
+    def __call__(self) -> None:
+        from hpcrl import runs
+
+        run, exp = runs.open_run(self.run_dir)
+        Controller(run, exp, show_progress=False).run_all()
+
+
+def submit_controller(run: RunDir, exp: Experiment) -> str:
+    """Submit the controller of `run` as a Slurm job; returns its job id."""
+    ex = submitit.SlurmExecutor(folder=run.logs / "%j")
+    ex.update_parameters(**executors.slurm_parameters(exp, "controller", run.root.name))
+    job = ex.submit(ControllerCall(str(run.root)))
+    run.record_job(str(job.job_id), "controller", None)
+    return str(job.job_id)
 
 
 def sample_rows(run: RunDir, k: int, limit: int = 16) -> list[dict]:

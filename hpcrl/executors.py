@@ -1,6 +1,8 @@
 """Executors: how a stage becomes a job. `local` runs it as its own process with submitit's
-LocalExecutor. The stage is named by its module path (`stages.generate`); hpcrl never imports
-stages/ itself.
+LocalExecutor; `slurm` makes it a Slurm job with submitit's SlurmExecutor, with the stage's
+resources from the config. The stage is named by its module path (`stages.generate`); hpcrl
+never imports stages/ itself. Stage jobs are requeueable: a stage is idempotent and commits
+atomically, so a requeued or retried job simply runs again.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import submitit
+
 from hpcrl.config import Experiment
 from hpcrl.rundir import RunDir
 
@@ -16,6 +20,37 @@ from hpcrl.rundir import RunDir
 def run_stage_module(module: str, run_dir: str, iteration: int) -> None:
     """What every stage job executes: `python -m <module> --run-dir R --iteration K`, in-process."""
     importlib.import_module(module).main(["--run-dir", run_dir, "--iteration", str(iteration)])
+
+
+class StageCall(submitit.helpers.Checkpointable):
+    """A stage as a submitit callable; on the time-limit or preemption signal submitit requeues it
+    (nothing of an interrupted stage is committed, so it starts over)."""
+
+    def __init__(self, module: str, run_dir: str, iteration: int):
+        self.module, self.run_dir, self.iteration = module, run_dir, iteration
+
+    def __call__(self) -> None:
+        run_stage_module(self.module, self.run_dir, self.iteration)
+
+
+def slurm_parameters(exp: Experiment, role: str, run_name: str) -> dict:
+    """sbatch parameters of a role (controller, generate, score, update), in submitit's names.
+
+    The one source of a job's resources: the Slurm executor and `hpcrl sbatch` both use it.
+    """
+    r = getattr(exp.executor, role)
+    tasks = exp.update.world_size // r.nodes if role == "update" else 1
+    params: dict = {"job_name": f"hpcrl-{run_name}-{role}", "nodes": r.nodes, "ntasks_per_node": tasks,
+                    "cpus_per_task": r.cpus_per_task, "time": r.time_min,
+                    "additional_parameters": {"requeue": True, **r.extra}}
+    if r.gpus_per_node:
+        params["gpus_per_node"] = r.gpus_per_node
+    if r.mem_gb:
+        params["mem"] = f"{int(r.mem_gb * 1024)}M"
+    for key in ("partition", "account", "qos", "constraint"):
+        if getattr(r, key):
+            params[key] = getattr(r, key)
+    return params
 
 
 def stage_module(stage: str) -> str:
@@ -47,6 +82,12 @@ class StageJob:
     def cancel(self) -> None:
         self.job.cancel(check=False)
 
+    def where(self) -> str:
+        """", node X" for a Slurm job whose node is known, else ""."""
+        info = getattr(self.job, "get_info", None)
+        node = info(mode="force").get("NodeList") if info else None
+        return f", node {node}" if node and node not in ("None", "None assigned") else ""
+
     def log_paths(self) -> tuple[Path, Path]:
         return Path(self.job.paths.stdout), Path(self.job.paths.stderr)
 
@@ -58,23 +99,41 @@ class StageJob:
 
 
 class LocalExecutor:
-    """Each stage is its own process on this machine (submitit.LocalExecutor)."""
+    """Each stage is its own process on this machine (submitit.LocalExecutor); one at a time."""
+
+    lookahead = 0
 
     def __init__(self, run: RunDir, exp: Experiment):
-        import submitit
-
         self.exp = exp
         self.run = run
         self._ex = submitit.LocalExecutor(folder=run.logs / "%j")
 
-    def submit(self, stage: str, iteration: int) -> StageJob:
+    def submit(self, stage: str, iteration: int, after: StageJob | None = None) -> StageJob:
         self._ex.update_parameters(timeout_min=self.exp.executor.timeout_min,
                                    tasks_per_node=tasks_for(self.exp, stage))
-        job = self._ex.submit(run_stage_module, stage_module(stage), str(self.run.root), iteration)
+        job = self._ex.submit(StageCall(stage_module(stage), str(self.run.root), iteration))
         return StageJob(job, stage, iteration)
 
 
-def make(run: RunDir, exp: Experiment) -> LocalExecutor:
-    if exp.executor.kind == "local":
-        return LocalExecutor(run, exp)
-    raise ValueError(f"executor.kind {exp.executor.kind!r} is not supported")
+class SlurmExecutor:
+    """Each stage is a Slurm job with its own resources; later stages can wait in the queue
+    behind earlier ones with afterok dependencies."""
+
+    def __init__(self, run: RunDir, exp: Experiment):
+        self.exp = exp
+        self.run = run
+        self.lookahead = exp.executor.lookahead
+        self._ex = submitit.SlurmExecutor(folder=run.logs / "%j")
+
+    def submit(self, stage: str, iteration: int, after: StageJob | None = None) -> StageJob:
+        params = slurm_parameters(self.exp, stage, self.run.root.name)
+        params["job_name"] += f"-{iteration}"
+        if after is not None:
+            params["dependency"] = f"afterok:{after.job_id}"
+        self._ex.update_parameters(**params)
+        job = self._ex.submit(StageCall(stage_module(stage), str(self.run.root), iteration))
+        return StageJob(job, stage, iteration)
+
+
+def make(run: RunDir, exp: Experiment) -> LocalExecutor | SlurmExecutor:
+    return {"local": LocalExecutor, "slurm": SlurmExecutor}[exp.executor.kind](run, exp)

@@ -33,9 +33,12 @@ def all_stages(exp: Experiment) -> list[tuple[int, str]]:
     return [(k, s) for k in range(exp.run.iterations + 1) for s in stages_of(exp, k)]
 
 
+def pending_stages(run: RunDir, exp: Experiment) -> list[tuple[int, str]]:
+    """The stages not committed yet, in run order."""
+    return [(k, s) for k, s in all_stages(exp) if not commit.is_committed(run.stage_dir(k, s))]
+
+
 def next_stage(run: RunDir, exp: Experiment) -> tuple[int, str] | None:
     """The first stage, in run order, that is not committed; None when the run is complete."""
-    for iteration, stage in all_stages(exp):
-        if not commit.is_committed(run.stage_dir(iteration, stage)):
-            return iteration, stage
-    return None
+    pending = pending_stages(run, exp)
+    return pending[0] if pending else None

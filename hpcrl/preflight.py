@@ -85,10 +85,27 @@ def _check_batch(exp: Experiment) -> list[str]:
     return []
 
 
+def _check_slurm(exp: Experiment) -> list[str]:
+    if exp.executor.kind != "slurm":
+        return []
+    from hpcrl import executors, sbatch
+
+    problems = []
+    if exp.update.world_size % exp.executor.update.nodes:
+        problems.append(f"executor.update.nodes: update.world_size={exp.update.world_size} ranks do not spread "
+                        f"evenly over {exp.executor.update.nodes} nodes")
+    for role in ("controller", "generate", "score", "update"):
+        try:
+            sbatch.directives(executors.slurm_parameters(exp, role, exp.run.name), Path("logs"))
+        except ConfigError as err:
+            problems.append(str(err).replace("executor:", f"executor.{role}:", 1))
+    return problems
+
+
 def check(exp: Experiment, source: str) -> None:
     """Raise ConfigError listing every problem found in the experiment `source`."""
     problems, model_cfg = _check_model(exp)
     tok_problems, tok = _check_tokenizer(exp, model_cfg)
-    problems += tok_problems + _check_data(exp, tok) + _check_rewards(exp) + _check_batch(exp)
+    problems += tok_problems + _check_data(exp, tok) + _check_rewards(exp) + _check_batch(exp) + _check_slurm(exp)
     if problems:
         raise ConfigError(f"{source}: the experiment cannot run:\n  " + "\n  ".join(problems))

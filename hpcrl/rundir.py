@@ -85,6 +85,22 @@ class RunDir:
         tmp.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, self.run_file)
 
+    @property
+    def jobs_file(self) -> Path:
+        return self.root / "jobs.jsonl"
+
+    def record_job(self, job_id: str, role: str, iteration: int | None) -> None:
+        """Append a submitted job to jobs.jsonl (for status and cancel)."""
+        import time
+
+        with open(self.jobs_file, "a") as f:
+            f.write(json.dumps({"job_id": job_id, "role": role, "iteration": iteration, "submitted": time.time()}) + "\n")
+
+    def jobs(self) -> list[dict]:
+        if not self.jobs_file.is_file():
+            return []
+        return [json.loads(line) for line in self.jobs_file.read_text().splitlines() if line.strip()]
+
     def iterations_present(self) -> list[int]:
         found = []
         for p in self.root.glob("iter_*"):

@@ -1,0 +1,74 @@
+"""Rendering the sbatch scripts of a run (sbatch/*.sbatch.j2) from its frozen config.
+
+Resources come from executors.slurm_parameters, the same source the Slurm executor submits
+with. Config values never reach a shell unquoted: #SBATCH values are checked against a safe
+character set (a newline could otherwise start a command line), and paths on command lines are
+shell-quoted.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import jinja2
+
+from hpcrl import executors, plan
+from hpcrl.config import ConfigError, Experiment
+from hpcrl.rundir import RunDir
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "sbatch"
+SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.,:=@%/+\-\[\]]*$")
+FLAG_NAMES = {"time": "time", "mem": "mem"}
+
+
+def directives(params: dict, log_dir: Path) -> list[str]:
+    """#SBATCH lines (without the prefix) for submitit-style parameters."""
+    flat = {k: v for k, v in params.items() if k != "additional_parameters"}
+    flat.update(params.get("additional_parameters", {}))
+    lines = []
+    for key, value in flat.items():
+        flag = "--" + FLAG_NAMES.get(key, key.replace("_", "-"))
+        if value is True:
+            lines.append(flag)
+            continue
+        text = str(value)
+        if not SAFE_VALUE.match(text):
+            raise ConfigError(f"executor: sbatch option {flag} has the value {text!r}; expected only letters, digits "
+                              "and _.,:=@%/+-[] (no spaces, quotes or shell characters)")
+        lines.append(f"{flag}={text}")
+    lines.append(f"--output={log_dir}/%x-%j.out")
+    return lines
+
+
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
+                              keep_trailing_newline=True)
+
+
+def render(run: RunDir, exp: Experiment, role: str, iteration: int | None = None) -> str:
+    """The script of the controller (role "controller") or of one stage of one iteration."""
+    params = executors.slurm_parameters(exp, role, run.root.name)
+    if iteration is not None:
+        params["job_name"] += f"-{iteration}"
+    ctx = {"directives": directives(params, run.logs), "python": shlex.quote(sys.executable),
+           "run_dir": repr(str(run.root)), "run_dir_q": shlex.quote(str(run.root))}
+    if role == "controller":
+        return _env().get_template("controller.sbatch.j2").render(**ctx)
+    return _env().get_template("stage.sbatch.j2").render(stage=role, iteration=iteration, **ctx)
+
+
+def write_all(run: RunDir, exp: Experiment) -> list[Path]:
+    """Every script of the run (controller and each stage) under RUN/sbatch/, for reading or by hand."""
+    out = run.root / "sbatch"
+    out.mkdir(exist_ok=True)
+    run.logs.mkdir(exist_ok=True)
+    paths = [out / "controller.sbatch"]
+    paths[0].write_text(render(run, exp, "controller"))
+    for k, stage in plan.all_stages(exp):
+        path = out / f"iter_{k:06d}-{stage}.sbatch"
+        path.write_text(render(run, exp, stage, k))
+        paths.append(path)
+    return paths
