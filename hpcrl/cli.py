@@ -230,5 +230,73 @@ def config_reference() -> None:
     click.echo(config.reference())
 
 
+# ---- debugging a run: inspect, plot, export (hpcrl/inspection.py, plots.py, export.py) -------------
+@main.command("inspect")
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--iteration", "-i", type=int, default=None,
+              help="Detail of one iteration: rewards by data source, lengths, finish reasons, best/worst samples.")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@click.option("--samples", type=click.IntRange(0), default=3, show_default=True,
+              help="Best and worst samples shown per split with --iteration.")
+def inspect_command(run_dir: Path, iteration: int | None, fmt: str, samples: int) -> None:
+    """Per-iteration metrics of RUN_DIR (reward, val, KL, clip fraction, length, stage times)."""
+    from hpcrl import inspection as run_inspect
+    from hpcrl import runs
+
+    try:
+        run, exp = runs.open_run(run_dir)
+        if iteration is None:
+            text = run_inspect.render_table(run_inspect.iteration_table(run, exp), exp, fmt)
+        else:
+            text = run_inspect.render_detail(run_inspect.iteration_detail(run, iteration, samples), fmt)
+    except (ConfigError, run_inspect.InspectError) as err:
+        _fail(str(err))
+    except commit.CorruptOutputError as err:
+        _fail(str(err), 1)
+    click.echo(text)
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Directory for the PNG files [default: RUN_DIR/plots].")
+def plot(run_dir: Path, out: Path | None) -> None:
+    """PNG figures of RUN_DIR: reward and validation score, KL and clip fraction, length, stage times."""
+    from hpcrl import runs
+    from hpcrl.inspection import InspectError
+    from hpcrl.plots import write_plots
+
+    try:
+        run, exp = runs.open_run(run_dir)
+        paths = write_plots(run, exp, out or run.root / "plots")
+    except (ConfigError, InspectError) as err:
+        _fail(str(err))
+    except commit.CorruptOutputError as err:
+        _fail(str(err), 1)
+    for path in paths:
+        click.echo(str(path))
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--version", "version", type=int, required=True, help="Policy version (0 is the base model).")
+@click.argument("dest", type=click.Path(path_type=Path))
+def export(run_dir: Path, version: int, dest: Path) -> None:
+    """Write policy VERSION of RUN_DIR as a standalone HF model folder DEST (new or empty)."""
+    from hpcrl import runs
+    from hpcrl.export import ExportError, export_policy
+
+    try:
+        run, exp = runs.open_run(run_dir)
+        files = export_policy(run, exp, version, dest)
+    except (ConfigError, ExportError) as err:
+        _fail(str(err))
+    except (commit.CorruptOutputError, OSError) as err:
+        _fail(str(err), 1)
+    size = sum(f.stat().st_size for f in files)
+    click.echo(f"exported policy v{version} of {run.root} to {dest} ({len(files)} files, {size / 2**20:.1f} MiB, "
+               "checksums verified)")
+
+
 if __name__ == "__main__":
     main()

@@ -97,11 +97,24 @@ def render(tokenizer, prompt: str) -> str:
 
 
 def draw_prompts(n_rows: int, per_iteration: int, iteration: int, seed: int) -> np.ndarray:
-    """Row indices for an iteration: epochs of seeded permutations, read in consecutive slices."""
-    start = iteration * per_iteration
-    out = []
+    """Row indices for an iteration: consecutive slices of seeded per-epoch permutations.
+
+    A slice that crosses an epoch boundary skips rows it already holds, so an iteration never
+    draws a prompt twice (its GRPO groups stay distinct).
+    """
+    if per_iteration > n_rows:
+        raise ValueError(f"{per_iteration} prompts per iteration but the dataset has only {n_rows} rows")
+    position = iteration * per_iteration
+    out: list[int] = []
+    seen: set[int] = set()
+    perms: dict[int, np.ndarray] = {}
     while len(out) < per_iteration:
-        epoch, offset = divmod(start + len(out), n_rows)
-        perm = np.random.default_rng([seed, epoch]).permutation(n_rows)
-        out.extend(perm[offset: offset + per_iteration - len(out)].tolist())
+        epoch, offset = divmod(position, n_rows)
+        if epoch not in perms:
+            perms[epoch] = np.random.default_rng([seed, epoch]).permutation(n_rows)
+        row = int(perms[epoch][offset])
+        position += 1
+        if row not in seen:
+            seen.add(row)
+            out.append(row)
     return np.asarray(out, dtype=np.int64)

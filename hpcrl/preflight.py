@@ -52,6 +52,9 @@ def _check_data(exp: Experiment, tok) -> list[str]:
         except data.DatasetError as err:
             problems.append(f"data.{key}: {err}")
             continue
+        if key == "train" and prompts.num_rows < exp.algorithm.prompts_per_iteration:
+            problems.append(f"data.train: {path}: {prompts.num_rows} prompts, fewer than "
+                            f"algorithm.prompts_per_iteration = {exp.algorithm.prompts_per_iteration}")
         if tok is None:
             continue
         texts = prompts["prompt"].slice(0, PROMPTS_CHECKED).to_pylist()

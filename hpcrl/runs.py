@@ -37,8 +37,13 @@ def prepare(exp: Experiment, source: str) -> tuple[RunDir, bool]:
         if conflicts:
             raise ConfigError(f"{source}: run {run.root} exists with a different config; these keys may not change "
                               "on resume (use another run.name for a new run):\n  " + "\n  ".join(conflicts))
+        if exp.run.iterations < frozen.run.iterations:
+            raise ConfigError(f"{source}: run.iterations: the run has {frozen.run.iterations}; it may grow on "
+                              f"resume, not shrink (got {exp.run.iterations})")
         changes = [k for k, v in config.flat(exp).items() if config.flat(frozen)[k] != v]
         if changes:
+            if exp.run.iterations > frozen.run.iterations:
+                _archive_final_validation(run, frozen.run.iterations)
             info = run.read_run_info()
             info.setdefault("config_changes", []).append(
                 {"at": _now(), "keys": {k: config.flat(exp)[k] for k in changes}})
@@ -50,6 +55,14 @@ def prepare(exp: Experiment, source: str) -> tuple[RunDir, bool]:
     run.write_run_info({"run_id": uuid.uuid4().hex, "name": exp.run.name, "created": _now(),
                         "code_version": code_version(), "user": getpass.getuser(), "source": str(Path(source).resolve())})
     return run, False
+
+
+def _archive_final_validation(run: RunDir, old_iterations: int) -> None:
+    """A longer run trains at the old last iteration, whose directory held only the final
+    validation: keep that validation under another name instead of mixing it in."""
+    d = run.iteration_dir(old_iterations)
+    if d.exists():
+        d.rename(d.with_name(f"{d.name}.final-validation"))
 
 
 def _freeze(run: RunDir, exp: Experiment) -> None:

@@ -39,7 +39,8 @@ def directives(params: dict, log_dir: Path) -> list[str]:
             raise ConfigError(f"executor: sbatch option {flag} has the value {text!r}; expected only letters, digits "
                               "and _.,:=@%/+-[] (no spaces, quotes or shell characters)")
         lines.append(f"{flag}={text}")
-    lines.append(f"--output={log_dir}/%x-%j.out")
+    if SAFE_VALUE.match(str(log_dir)):  # else Slurm's default, slurm-<id>.out where sbatch was run
+        lines.append(f"--output={log_dir}/%x-%j.out")
     return lines
 
 

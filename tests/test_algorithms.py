@@ -85,3 +85,13 @@ def test_token_logprobs_and_entropy_by_hand():
     assert lp_t2.item() == pytest.approx(math.log(math.sqrt(3) / (1 + math.sqrt(3))))
     ent = losses.entropy(logits).item()
     assert ent == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
+
+
+def test_prompt_draw_never_repeats_within_an_iteration_and_covers_each_epoch():
+    from hpcrl.data import draw_prompts
+
+    draws = [draw_prompts(100, 32, k, seed=5) for k in range(10)]
+    for d in draws:
+        assert len(set(d.tolist())) == 32  # iteration 3 crosses the first epoch boundary
+    assert len({int(i) for d in draws[:3] for i in d}) == 96  # no repeats inside the first epoch
+    assert (draw_prompts(100, 32, 4, seed=5) == draws[4]).all()  # deterministic

@@ -114,10 +114,16 @@ def test_resume_refuses_changed_config_but_allows_more_iterations(write_experime
     assert frozen == exp
     with pytest.raises(ConfigError, match=r"update\.lr: run has 0\.0002, config has 0\.1"):
         runs.prepare(config.with_overrides(exp, {"update.lr": 0.1}, "e.toml"), "e.toml")
+    final_val = run.iteration_dir(2) / "generate"
+    final_val.mkdir(parents=True)  # stands for the final validation of the 2-iteration run
     longer = config.with_overrides(exp, {"run.iterations": 5}, "e.toml")
     run2, resumed = runs.prepare(longer, "e.toml")
     assert resumed and config.load(run2.config_path).run.iterations == 5
     assert run2.read_run_info()["config_changes"][0]["keys"] == {"run.iterations": 5}
+    assert not run.iteration_dir(2).exists()  # iteration 2 now trains; its old validation is kept aside
+    assert (run.root / "iter_000002.final-validation" / "generate").is_dir()
+    with pytest.raises(ConfigError, match=r"run\.iterations: the run has 5; it may grow on resume, not shrink"):
+        runs.prepare(config.with_overrides(exp, {"run.iterations": 3}, "e.toml"), "e.toml")
 
 
 def test_readme_config_reference_is_current():

@@ -1,0 +1,191 @@
+"""Runs on a real Slurm (the local cluster of tools/slurm_up.sh --nodes 2 --gpus 2): stage jobs
+through submitit, per-stage resources, the controller job, requeue, scancel, 2-node updates,
+and sbatch scripts submitted by hand."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrl import commit, config, executors, plan, runs
+from hpcrl.rundir import RunDir
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1500)]
+
+SLURM = {"kind": "slurm", "lookahead": 2, "max_retries": 0,
+         "generate": {"partition": "gpu", "cpus_per_task": 2, "time_min": 20},
+         "score": {"partition": "cpu", "cpus_per_task": 1, "time_min": 10},
+         "update": {"partition": "debug", "cpus_per_task": 2, "time_min": 20}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    if os.environ.get("HPCRL_NO_SLURM") == "1":
+        pytest.skip("HPCRL_NO_SLURM=1")
+    if shutil.which("sinfo") is None:
+        pytest.fail("no Slurm here: start the local cluster with `bash tools/slurm_up.sh --nodes 2 --gpus 2`")
+
+
+def _write(root: Path, tiny_task: Path, name: str, **sections) -> Path:
+    import tests.conftest as c
+
+    path = root / f"{name}.toml"
+    path.write_text(c.experiment_toml(tiny_task, root / "runs", name, **sections))
+    return path
+
+
+def _sacct(job_ids, fields="JobID,JobName,Partition,AllocCPUS,State,NodeList") -> list[dict]:
+    out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(job_ids), "-o", fields],
+                         capture_output=True, text=True, check=True).stdout
+    return [dict(zip(fields.split(","), line.split("|"), strict=True)) for line in out.splitlines()]
+
+
+def _wait_complete(run: RunDir, timeout: float = 900) -> None:
+    exp = config.load(run.config_path)
+    deadline = time.time() + timeout
+    while plan.next_stage(run, exp) is not None:
+        assert time.time() < deadline, f"run not complete; log dir {run.logs}"
+        time.sleep(2)
+
+
+def _same_outputs(a: RunDir, b: RunDir) -> None:
+    exp = config.load(a.config_path)
+    for k, s in plan.all_stages(exp):
+        assert commit.read_manifest(a.stage_dir(k, s))["files"] == commit.read_manifest(b.stage_dir(k, s))["files"], (k, s)
+
+
+@pytest.fixture(scope="module")
+def runs_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("slurm")
+
+
+@pytest.fixture(scope="module")
+def local_ref(runs_root, tiny_task):
+    path = _write(runs_root, tiny_task, "local", executor={"kind": "local"})
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return RunDir.at(runs_root / "runs" / "local")
+
+
+def test_run_on_slurm_through_a_controller_job_matches_local(runs_root, tiny_task, local_ref):
+    path = _write(runs_root, tiny_task, "slurm", executor=SLURM)
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "submitted the controller as Slurm job" in out.stdout
+    run = RunDir.at(runs_root / "runs" / "slurm")
+    _wait_complete(run)
+    _same_outputs(run, local_ref)
+    jobs = run.jobs()
+    stage_jobs = [j for j in jobs if j["role"] != "controller"]
+    assert sorted((j["iteration"], j["role"]) for j in stage_jobs) == sorted(plan.all_stages(config.load(path)))
+    rows = {r["JobID"]: r for r in _sacct([j["job_id"] for j in jobs])}
+    for j in stage_jobs:
+        row = rows[j["job_id"]]
+        assert row["State"] == "COMPLETED"
+        assert row["Partition"] == SLURM[j["role"]]["partition"]
+        assert int(row["AllocCPUS"]) == SLURM[j["role"]]["cpus_per_task"]
+        assert row["JobName"] == f"hpcrl-slurm-{j['role']}-{j['iteration']}"
+    status = subprocess.run([sys.executable, "-m", "hpcrl.cli", "status", str(run.root)], capture_output=True,
+                            text=True)
+    assert "Slurm jobs:" in status.stdout and "COMPLETED" in status.stdout
+
+
+def _wait_for_running(run: RunDir, iteration: int, stage: str, proc, timeout: float = 600) -> str:
+    """The job id of `stage` once it is at work (its temporary output exists)."""
+    deadline = time.time() + timeout
+    tmp = commit.temp_dir(run.stage_dir(iteration, stage))
+    while True:
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.time() < deadline, f"{stage} never ran"
+        jobs = [j for j in run.jobs() if j["role"] == stage and j["iteration"] == iteration]
+        if jobs and tmp.exists():
+            return jobs[-1]["job_id"]
+        time.sleep(0.2)
+
+
+def test_requeued_stage_runs_again_and_the_run_completes_unchanged(runs_root, tiny_task, local_ref):
+    path = _write(runs_root, tiny_task, "requeued", executor=SLURM)
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "submit", "--foreground", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = RunDir.at(runs_root / "runs" / "requeued")
+    job_id = _wait_for_running(run, 0, "update", proc)
+    time.sleep(1.0)
+    assert not commit.is_committed(run.stage_dir(0, "update"))
+    subprocess.run(["scontrol", "requeue", job_id], check=True)
+    out, _ = proc.communicate(timeout=1200)
+    assert proc.returncode == 0, out
+    _same_outputs(run, local_ref)
+    restarts = subprocess.run(["sacct", "-n", "-P", "-D", "-X", "-j", job_id, "-o", "State"], capture_output=True,
+                              text=True).stdout.split()
+    assert "REQUEUED" in restarts and restarts[-1] == "COMPLETED"
+
+
+def test_cancelled_stage_is_reported_with_job_id_and_log(runs_root, tiny_task):
+    path = _write(runs_root, tiny_task, "cancelled", executor=SLURM)
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "submit", "--foreground", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = RunDir.at(runs_root / "runs" / "cancelled")
+    job_id = _wait_for_running(run, 0, "generate", proc)
+    subprocess.run(["scancel", job_id], check=True)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out
+    assert f"stage generate of iteration 0 failed (job {job_id}" in out and f"logs/{job_id}/" in out
+    assert not commit.is_committed(run.stage_dir(0, "generate"))
+    queued = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True).stdout
+    assert "hpcrl-cancelled" not in queued  # nothing left holding or waiting for an allocation
+
+
+def test_update_spans_two_nodes_with_two_ranks(runs_root, tiny_task):
+    from transformers import AutoTokenizer
+
+    from tests.test_update_deepspeed import _commit_inputs
+
+    spec = {**SLURM, "update": {"partition": "debug", "nodes": 2, "cpus_per_task": 1, "time_min": 20}}
+    exp = config.load(_write(runs_root, tiny_task, "twonode", executor=spec, update={"world_size": 2},
+                             run={"iterations": 1}))
+    run, _ = runs.prepare(exp, "twonode")
+    _commit_inputs(run, exp, AutoTokenizer.from_pretrained(exp.model.path))
+    job = executors.SlurmExecutor(run, exp).submit("update", 0)
+    job.job.results()
+    manifest = commit.read_manifest(run.stage_dir(0, "update"))
+    assert manifest["world_size"] == 2
+    nodes = _sacct([job.job_id])[0]["NodeList"]
+    assert nodes in ("n[1-2]", "n1,n2"), nodes
+
+
+def test_sbatch_script_submitted_by_hand_runs_the_stage_and_injects_nothing(tmp_path, tiny_task):
+    import tests.conftest as c
+
+    root = tmp_path / "it's $(touch hpcrl-pwned)"
+    root.mkdir()
+    canaries = [d / "hpcrl-pwned" for d in (tmp_path, root, Path.cwd(), Path.home())]
+    path = root / "e.toml"
+    path.write_text(c.experiment_toml(tiny_task, root / "runs", "byhand", executor=SLURM))
+    script = subprocess.run([sys.executable, "-m", "hpcrl.cli", "sbatch", str(path), "--stage", "generate",
+                             "--iteration", "0"], capture_output=True, text=True)
+    assert script.returncode == 0, script.stderr
+    assert "#SBATCH --partition=gpu" in script.stdout and "#SBATCH --cpus-per-task=2" in script.stdout
+    (tmp_path / "gen.sbatch").write_text(script.stdout)
+    job_id = subprocess.run(["sbatch", "--parsable", str(tmp_path / "gen.sbatch")], capture_output=True, text=True,
+                            check=True, cwd=tmp_path).stdout.strip().split(";")[0]
+    run = RunDir.at(root / "runs" / "byhand")
+    deadline = time.time() + 300
+    while not commit.is_committed(run.stage_dir(0, "generate")):
+        state = _sacct([job_id], "JobID,State")
+        assert not state or state[0]["State"] not in ("FAILED", "CANCELLED", "TIMEOUT"), state
+        assert time.time() < deadline
+        time.sleep(1)
+    assert not any(c.exists() for c in canaries)
+    bad = root / "bad.toml"
+    bad.write_text(c.experiment_toml(tiny_task, root / "runs", "bad", executor={
+        **SLURM, "score": {"partition": "cpu$(touch hpcrl-pwned)"}}))
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", "--dry-run", str(bad)], capture_output=True,
+                         text=True)
+    assert out.returncode == 2 and "executor.score: sbatch option --partition" in out.stderr
+    assert not any(c.exists() for c in canaries)
