@@ -298,5 +298,46 @@ def export(run_dir: Path, version: int, dest: Path) -> None:
                "checksums verified)")
 
 
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--iteration", type=int, required=True)
+@click.option("--stage", type=click.Choice(["generate", "score", "update"]), required=True)
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Override a config key for the replay (TOML value, e.g. algorithm.clip_ratio=0.1).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Replay directory (default: under <runs_root>/replays/).")
+def replay(run_dir: Path, iteration: int, stage: str, sets: tuple[str, ...], out: Path | None) -> None:
+    """Run one committed stage again from its committed inputs, elsewhere, and compare.
+
+    Exit 0 only when the replay matches (byte-identical, or within tolerance for generate/update).
+    """
+    import tomllib
+
+    from hpcrl import replay as rp
+    from hpcrl import runs
+
+    overrides = {}
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            _fail(f"--set {item!r}: expected KEY=VALUE")
+        try:
+            overrides[key] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            overrides[key] = raw
+    try:
+        run, exp = runs.open_run(run_dir)
+        replay_run, replay_exp = rp.prepare(run, exp, iteration, stage, overrides, out)
+        click.echo(f"replaying {stage} of iteration {iteration} in {replay_run.root}")
+        rp.run_stage(replay_run, replay_exp, iteration, stage)
+    except ConfigError as err:
+        _fail(str(err))
+    except (commit.CorruptOutputError, FileExistsError, RuntimeError) as err:
+        _fail(str(err), 1)
+    original, replayed = run.stage_dir(iteration, stage), replay_run.stage_dir(iteration, stage)
+    report = rp.compare(original, replayed, stage)
+    click.echo(rp.format_report(report, original, replayed, overrides))
+    sys.exit(0 if report.match else 1)
+
+
 if __name__ == "__main__":
     main()

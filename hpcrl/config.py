@@ -121,6 +121,7 @@ class TrackingConfig(Section):
     enabled: bool = Field(True, description="Log to MLflow.")
     tracking_uri: str = Field("", description="MLflow tracking URI; empty: sqlite:///<runs_root>/mlflow.db.")
     experiment: str = Field("hpcrl", description="MLflow experiment name.")
+    plot_every: int = Field(10, ge=0, description="Log the run's plots to MLflow every N iterations and at the end (0: only at the end).")
 
 
 class Experiment(Section):
@@ -144,7 +145,7 @@ class Experiment(Section):
 
 
 # Keys a resumed run may change; anything else must match the frozen config.
-RESUMABLE_CHANGES = ("run.iterations", "run.eval_every", "executor.", "tracking.enabled")
+RESUMABLE_CHANGES = ("run.iterations", "run.eval_every", "executor.", "tracking.enabled", "tracking.plot_every")
 
 
 def _path_fields(model: type[BaseModel], prefix: str = "") -> list[str]:

@@ -146,6 +146,9 @@ class Controller:
             tracker.log_table(sample_rows(self.run, k), f"samples/iter_{k:06d}.json")
         if stage == plan.stages_of(self.exp, k)[-1]:
             self.echo(iteration_line(self.exp, self.run, k))
+            every = self.exp.tracking.plot_every
+            if plan.next_stage(self.run, self.exp) is None or (every and (k + 1) % every == 0):
+                tracker.log_plots(self.run, self.exp)
 
 
 class ControllerCall(submitit.helpers.Checkpointable):

@@ -12,7 +12,7 @@ import socket
 from datetime import timedelta
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -30,7 +30,7 @@ def export_env() -> None:
     except RuntimeError:  # not inside a submitit job
         pass
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 def init(timeout_s: float = 1800) -> tuple[int, int]:

@@ -8,12 +8,14 @@ atomically, so a requeued or retried job simply runs again.
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import submitit
 
 from hpcrl.config import Experiment
+from hpcrl.distributed import free_port
 from hpcrl.rundir import RunDir
 
 
@@ -111,7 +113,16 @@ class LocalExecutor:
     def submit(self, stage: str, iteration: int, after: StageJob | None = None) -> StageJob:
         self._ex.update_parameters(timeout_min=self.exp.executor.timeout_min,
                                    tasks_per_node=tasks_for(self.exp, stage))
-        job = self._ex.submit(StageCall(stage_module(stage), str(self.run.root), iteration))
+        # The ranks of a local job meet on a port free now (submitit would derive one from the pid).
+        saved = os.environ.get("MASTER_PORT")
+        os.environ["MASTER_PORT"] = str(free_port())
+        try:
+            job = self._ex.submit(StageCall(stage_module(stage), str(self.run.root), iteration))
+        finally:
+            if saved is None:
+                del os.environ["MASTER_PORT"]
+            else:
+                os.environ["MASTER_PORT"] = saved
         return StageJob(job, stage, iteration)
 
 

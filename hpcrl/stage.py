@@ -97,6 +97,7 @@ def run_stage(stage: str, run_dir: str | os.PathLike, iteration: int, body: Body
               rank: int = 0, world_size: int = 1) -> dict | None:
     """Run `body` for one stage of one iteration and commit its output; no-op when committed."""
     startup = process_age()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # compute jobs never reach a model hub
     run = RunDir.at(run_dir)
     exp = config.load(run.config_path)
     out = run.stage_dir(iteration, stage)

@@ -82,6 +82,16 @@ class Tracker:
 
         self._guard(lambda: self.client.log_table(self.run_id, pd.DataFrame(rows), artifact_file))
 
+    def log_plots(self, run: RunDir, exp: Experiment) -> None:
+        """Write the run's figures under RUN/plots and log them as artifacts (plots/)."""
+        if not self.enabled:
+            return
+        from hpcrl.plots import write_plots
+
+        paths = write_plots(run, exp, run.root / "plots")
+        for path in paths:
+            self._guard(lambda p=path: self.client.log_artifact(self.run_id, str(p), "plots"))
+
     def finish(self, status: str) -> None:
         if self.enabled:
             self._guard(lambda: self.client.set_terminated(self.run_id, status=status))

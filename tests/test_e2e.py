@@ -88,7 +88,9 @@ def test_mlflow_has_the_metrics_and_artifacts(straight):
 
     client = MlflowClient(info["mlflow_tracking_uri"])
     artifacts = {a.path for a in client.list_artifacts(info["mlflow_run_id"])}
-    assert {"experiment.toml", "samples"} <= artifacts
+    assert {"experiment.toml", "samples", "plots"} <= artifacts
+    plots = {a.path for a in client.list_artifacts(info["mlflow_run_id"], "plots")}
+    assert "plots/reward.png" in plots and "plots/stage_timings.png" in plots
     samples = {a.path for a in client.list_artifacts(info["mlflow_run_id"], "samples")}
     assert "samples/iter_000000.json" in samples
 
