@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup task demo test lint
+.PHONY: setup task slurm demo test lint
 setup:
 	bash tools/setup_env.sh
 
@@ -14,7 +14,11 @@ task: setup
 demo: task
 	.venv/bin/hpcrl submit configs/demo.toml
 
-test: task
+# A local Slurm (2 fake nodes, 2 fake GPUs each) for the tests marked `slurm`; needs root.
+slurm:
+	bash tools/slurm_up.sh --nodes 2 --gpus 2
+
+test: task slurm
 	$(PY) -m pytest -v -ra $(PYTEST_ARGS)
 
 lint: setup

@@ -23,14 +23,16 @@ T0=$(date +%s)
 log() { echo "[slurm_down] $*"; }
 RUN=$STATE/run
 
-# alive PIDFILE COMM: the pid file names a running process whose name matches COMM (a regex).
-alive() { local pid; pid=$(cat "$1" 2>/dev/null) || return 1; [[ $pid =~ ^[0-9]+$ ]] || return 1
-          grep -Eqx "$2" "/proc/$pid/comm" 2>/dev/null; }
-stop() {  # stop PIDFILE COMM NAME: TERM, wait up to 30 s, then KILL
-  local pid i; alive "$1" "$2" || { rm -f "$1"; return 0; }; pid=$(cat "$1")
+# running PID COMM: PID is a live (not zombie) process named COMM (a regex); alive PIDFILE COMM: the
+# pid file names one. The name check keeps a stale pid file from an earlier boot harmless.
+running() { grep -Eqx "$2" "/proc/$1/comm" 2>/dev/null && ! grep -q '^[0-9]* ([^)]*) Z' "/proc/$1/stat" 2>/dev/null; }
+alive() { local pid; pid=$(cat "$1" 2>/dev/null) || return 1; [[ $pid =~ ^[0-9]+$ ]] && running "$pid" "$2"; }
+stop() {  # stop PIDFILE COMM NAME: TERM, wait up to 30 s, then KILL. Waits on the pid, not the pid
+  # file: the daemons delete their pid file when shutdown begins, seconds before they exit.
+  local pid; alive "$1" "$2" || { rm -f "$1"; return 0; }; pid=$(cat "$1")
   kill "$pid"
-  for i in $(seq 300); do alive "$1" "$2" || break; sleep 0.1; done
-  if alive "$1" "$2"; then log "$3 ($pid) ignored SIGTERM for 30 s: SIGKILL"; kill -9 "$pid"; sleep 0.5; fi
+  for _ in $(seq 300); do running "$pid" "$2" || break; sleep 0.1; done
+  if running "$pid" "$2"; then log "$3 ($pid) ignored SIGTERM for 30 s: SIGKILL"; kill -9 "$pid"; sleep 0.5; fi
   rm -f "$1"; log "stopped $3 ($pid)"
 }
 
@@ -50,6 +52,9 @@ if alive "$RUN/slurmctld.pid" slurmctld && command -v squeue >/dev/null; then
       sleep 0.5
     done
   fi
+  # A job leaves squeue a moment before its slurmstepd has finished tearing down: let it.
+  end=$(( $(date +%s) + 15 ))
+  while pgrep -x slurmstepd >/dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 0.2; done
 fi
 
 # 2. Stop the daemons, consumers before the services they use.
@@ -63,7 +68,7 @@ stop "$STATE/munge/munged.pid" munged munged
 
 # Job steps outlive slurmd; after the cancel above there should be none. Report, do not guess.
 left=$(pgrep -x slurmstepd || true)
-[ -z "$left" ] || log "WARNING: slurmstepd processes still running: $(echo $left) (kill them by pid)"
+[ -z "$left" ] || log "WARNING: slurmstepd processes still running: ${left//$'\n'/ } (kill them by pid)"
 
 if [ "$WIPE" = 1 ]; then
   case $STATE in /|/var|/var/tmp|/tmp|/root|/home|/etc|/usr) echo "slurm_down: refusing to wipe $STATE" >&2; exit 1 ;; esac

@@ -25,9 +25,7 @@ while [ $# -gt 0 ]; do
     *) echo "slurm_up: unknown option $1" >&2; exit 2 ;;
   esac
 done
-for v in "$NODES" "$GPUS" "$CPUS"; do
-  [[ $v =~ ^[0-9]+$ ]] || { echo "slurm_up: not a number: $v" >&2; exit 2; }
-done
+for v in "$NODES" "$GPUS" "$CPUS"; do [[ $v =~ ^[0-9]+$ ]] || { echo "slurm_up: not a number: $v" >&2; exit 2; }; done
 [ "$NODES" -ge 1 ] && [ "$CPUS" -ge 1 ] || { echo "slurm_up: need --nodes >= 1 and --cpus >= 1" >&2; exit 2; }
 [ "$(id -u)" = 0 ] || { echo "slurm_up: must run as root" >&2; exit 1; }
 STATE=$(realpath -m "$STATE")
@@ -39,9 +37,7 @@ CTLD_PORT=6817 DBD_PORT=6819 DB_PORT=16306 NODE_PORT0=17000   # slurmd of nK lis
 ETC=$STATE/etc LOGS=$STATE/log RUN=$STATE/run SPOOL=$STATE/spool
 MUNGE=$STATE/munge MYSQL=$STATE/mysql
 
-if [ "$WIPE" = 1 ]; then
-  bash "$HERE/slurm_down.sh" --state "$STATE" --wipe
-fi
+[ "$WIPE" = 0 ] || bash "$HERE/slurm_down.sh" --state "$STATE" --wipe
 
 # --- packages (only what is missing); policy-rc.d keeps the packages' services from starting ---
 PKGS=(munge slurmctld slurmd slurm-client slurmdbd mariadb-server)
@@ -51,25 +47,23 @@ for p in "${PKGS[@]}"; do
 done
 if [ ${#missing[@]} -gt 0 ]; then
   log "installing ${missing[*]}"
-  made_policy=0
-  if [ ! -e /usr/sbin/policy-rc.d ]; then
-    printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d
-    made_policy=1
-  fi
+  made_policy=0   # policy-rc.d exiting 101 = "do not start services"; ours only if none exists
+  [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d; chmod 755 /usr/sbin/policy-rc.d; made_policy=1; }
   DEBIAN_FRONTEND=noninteractive apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   [ "$made_policy" = 0 ] || rm -f /usr/sbin/policy-rc.d
 fi
 
 # --- helpers ---
-# alive PIDFILE COMM: the pid file names a running process whose name matches COMM (a regex), so a
-# stale pid file from an earlier boot never points us at an unrelated process.
-alive() { local pid; pid=$(cat "$1" 2>/dev/null) || return 1; [[ $pid =~ ^[0-9]+$ ]] || return 1
-          grep -Eqx "$2" "/proc/$pid/comm" 2>/dev/null; }
-stop() {  # stop PIDFILE COMM: TERM, wait up to 30 s, then KILL
-  local pid i; alive "$1" "$2" || { rm -f "$1"; return 0; }; pid=$(cat "$1"); kill "$pid"
-  for i in $(seq 300); do alive "$1" "$2" || break; sleep 0.1; done
-  alive "$1" "$2" && kill -9 "$pid"; rm -f "$1"
+# running PID COMM: PID is a live (not zombie) process named COMM (a regex); alive PIDFILE COMM: the
+# pid file names one. The name check keeps a stale pid file from an earlier boot harmless.
+running() { grep -Eqx "$2" "/proc/$1/comm" 2>/dev/null && ! grep -q '^[0-9]* ([^)]*) Z' "/proc/$1/stat" 2>/dev/null; }
+alive() { local pid; pid=$(cat "$1" 2>/dev/null) || return 1; [[ $pid =~ ^[0-9]+$ ]] && running "$pid" "$2"; }
+stop() {  # stop PIDFILE COMM: TERM, wait up to 30 s, then KILL. Waits on the pid, not the pid
+  # file: the daemons delete their pid file when shutdown begins, seconds before they exit.
+  local pid; alive "$1" "$2" || { rm -f "$1"; return 0; }; pid=$(cat "$1"); kill "$pid"
+  for _ in $(seq 300); do running "$pid" "$2" || break; sleep 0.1; done
+  running "$pid" "$2" && kill -9 "$pid"; rm -f "$1"
 }
 fail() {  # fail MESSAGE LOGFILE...: print the message and the tails of the logs, exit 1
   echo "[slurm_up] ERROR: $1" >&2; shift
@@ -84,6 +78,11 @@ waitfor() {  # waitfor SECONDS COMMAND...: retry every 0.2 s until COMMAND succe
 # --- host name: slurm resolves SlurmctldHost/NodeHostname; everything talks over 127.0.0.1 ---
 HOST=$(hostname -s)
 getent hosts "$HOST" >/dev/null || { echo "127.0.0.1 $HOST" >>/etc/hosts; log "added $HOST to /etc/hosts"; }
+# Jobs see their nodes by NodeName (SLURM_JOB_NODELIST=n[1-2]); multi-node jobs rendezvous on the
+# first one (MASTER_ADDR=n1), so the fake node names must resolve too.
+for k in $(seq 1 "$NODES"); do
+  getent hosts "n$k" >/dev/null || { echo "127.0.0.1 n$k" >>/etc/hosts; log "added n$k to /etc/hosts"; }
+done
 # One cluster per host (ports are fixed): refuse if /etc/slurm points at another, running state dir.
 other=$(readlink /etc/slurm/slurm.conf 2>/dev/null || true)
 if [ -n "$other" ] && [ "$other" != "$ETC/slurm.conf" ] && \
@@ -93,20 +92,17 @@ fi
 
 # --- state directory ---
 install -d -m 755 "$STATE" "$ETC" "$LOGS" "$RUN" "$SPOOL" "$SPOOL/ctld" "$STATE/dev"
-for k in $(seq "$NODES"); do install -d -m 755 "$SPOOL/slurmd-n$k"; done
 install -d -o munge -g munge -m 700 "$MUNGE"
 install -d -o munge -g munge -m 755 /run/munge          # munged's socket, where slurm looks for it
 install -d -o mysql -g mysql -m 750 "$MYSQL"
-if [ ! -s "$MUNGE/munge.key" ]; then
-  dd if=/dev/urandom of="$MUNGE/munge.key" bs=1024 count=1 status=none
-fi
+[ -s "$MUNGE/munge.key" ] || dd if=/dev/urandom of="$MUNGE/munge.key" bs=1024 count=1 status=none
 chown munge:munge "$MUNGE/munge.key" && chmod 400 "$MUNGE/munge.key"   # munged refuses anything looser
 [ -s "$ETC/dbpass" ] || (umask 077; od -An -N12 -tx1 /dev/urandom | tr -d ' \n' >"$ETC/dbpass")
 DBPASS=$(cat "$ETC/dbpass")
 # Fake GPUs: character devices (same numbers as /dev/null); slurm only needs File= to exist and
 # sets CUDA_VISIBLE_DEVICES from the index of the allocated ones.
 for k in $(seq "$NODES"); do
-  install -d -m 755 "$STATE/dev/n$k"
+  install -d -m 755 "$STATE/dev/n$k" "$SPOOL/slurmd-n$k"
   for ((g = 0; g < GPUS; g++)); do [ -c "$STATE/dev/n$k/nvidia$g" ] || mknod -m 666 "$STATE/dev/n$k/nvidia$g" c 1 3; done
 done
 
@@ -126,7 +122,6 @@ SlurmctldPort=$CTLD_PORT
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-CredType=cred/munge
 # Short credential lifetime: a requeued job restarts in ~11 s instead of ~121 s.
 AuthInfo=cred_expire=10
 StateSaveLocation=$SPOOL/ctld
@@ -137,16 +132,14 @@ SlurmctldLogFile=$LOGS/slurmctld.log
 SlurmdLogFile=$LOGS/slurmd-%n.log
 # Nodes are fake (several per host, CPUs/memory as configured, not as detected).
 SlurmdParameters=config_overrides
-# No cgroups in this container: track processes by pid, no task binding.
+# No cgroups in this container: track processes by pid, no task binding. Hence no cgroup.conf, and
+# no PrologFlags (Contain needs proctrack/cgroup); no RebootProgram either.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
-MpiDefault=none
-SwitchType=switch/none
 # Cores and memory as consumable resources, so that several jobs share a node.
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 DefMemPerCPU=$DEF_MEM
-SchedulerType=sched/backfill
 # Schedule every second; kill jobs whose dependency can never be met instead of pending forever.
 SchedulerParameters=sched_interval=1,bf_interval=1,kill_invalid_depend
 # A node that was DOWN (e.g. slurmd restarted) returns to service when it registers.
@@ -155,7 +148,7 @@ KillWait=5
 # Finished jobs leave slurmctld's memory after 30 s; sacct (slurmdbd) keeps them for good.
 MinJobAge=30
 JobRequeue=1
-InactiveLimit=0
+# No MTA here: slurmctld logs an error for the default MailProg.
 MailProg=/bin/true
 SlurmctldTimeout=30
 SlurmdTimeout=60
@@ -164,7 +157,6 @@ AccountingStorageHost=127.0.0.1
 AccountingStoragePort=$DBD_PORT
 AccountingStorageTRES=gres/gpu
 JobAcctGatherType=jobacct_gather/linux
-JobAcctGatherFrequency=30
 GresTypes=gpu
 EOF
   for k in $(seq "$NODES"); do
@@ -176,13 +168,10 @@ EOF
     echo "PartitionName=$part Nodes=$NODELIST Default=$dflt MaxTime=INFINITE State=UP"
   done
 } >"$ETC/slurm.conf.new"
-{
-  echo "# Written by tools/slurm_up.sh"
-  for k in $(seq "$NODES"); do
-    [ "$GPUS" -gt 0 ] && echo "NodeName=n$k Name=gpu File=$STATE/dev/n$k/nvidia[0-$((GPUS - 1))]"
-  done
-  true
-} >"$ETC/gres.conf.new"
+echo "# Written by tools/slurm_up.sh" >"$ETC/gres.conf.new"
+for k in $(seq "$NODES"); do   # one line per node: each node's own device files
+  [ "$GPUS" = 0 ] || echo "NodeName=n$k Name=gpu File=$STATE/dev/n$k/nvidia[0-$((GPUS - 1))]" >>"$ETC/gres.conf.new"
+done
 (umask 077; cat >"$ETC/slurmdbd.conf.new" <<EOF
 # Written by tools/slurm_up.sh (mode 600: it holds the database password)
 AuthType=auth/munge
@@ -246,9 +235,7 @@ EOF
 
 # --- slurmdbd, then the cluster, account and user in the accounting database ---
 [[ " ${changed[*]} " == *" slurmdbd.conf "* ]] && stop "$RUN/slurmdbd.pid" slurmdbd
-if ! alive "$RUN/slurmdbd.pid" slurmdbd; then
-  slurmdbd || fail "slurmdbd did not start" "$LOGS/slurmdbd.log"
-fi
+alive "$RUN/slurmdbd.pid" slurmdbd || slurmdbd || fail "slurmdbd did not start" "$LOGS/slurmdbd.log"
 waitfor 60 sacctmgr -n show cluster || fail "slurmdbd does not answer" "$LOGS/slurmdbd.log" "$MYSQL/mysqld.log"
 sacctmgr -n -P show cluster format=cluster | grep -qx "$CLUSTER" || sacctmgr -i add cluster "$CLUSTER" >/dev/null
 sacctmgr -n -P show account "$CLUSTER" format=account | grep -qx "$CLUSTER" || \
@@ -265,19 +252,17 @@ for f in "$RUN"/slurmd-*.pid; do   # slurmd of nodes this shape no longer has
   n=$(basename "$f" .pid); n=${n#slurmd-}
   [ -e "$f" ] && { [[ $n =~ ^n[0-9]+$ ]] && [ "${n#n}" -le "$NODES" ] || stop "$f" slurmd; }
 done
-if ! alive "$RUN/slurmctld.pid" slurmctld; then
-  slurmctld || fail "slurmctld did not start" "$LOGS/slurmctld.log"
-fi
+alive "$RUN/slurmctld.pid" slurmctld || slurmctld || fail "slurmctld did not start" "$LOGS/slurmctld.log"
 for k in $(seq "$NODES"); do
   alive "$RUN/slurmd-n$k.pid" slurmd || slurmd -N "n$k" || fail "slurmd n$k did not start" "$LOGS/slurmd-n$k.log"
 done
 
-# --- ready: every node idle, sacct answers ---
-all_idle() {
-  [ "$(sinfo -h -N -p debug -o '%N %t' | awk '$2 == "idle"' | wc -l)" -eq "$NODES" ]
+# --- ready: every node up (idle on a fresh start; mix/alloc/comp when a re-run finds jobs), sacct answers ---
+all_up() {  # a '*' suffix means not responding; down, drain, unk etc. are not up either
+  [ "$(sinfo -h -N -p debug -o '%N %t' | awk '$2 ~ /^(idle|mix|alloc|comp)$/' | wc -l)" -eq "$NODES" ]
 }
 waitfor 60 scontrol ping || fail "slurmctld does not answer" "$LOGS/slurmctld.log"
-waitfor 60 all_idle || { sinfo -N >&2 || true; fail "nodes are not idle after 60 s" "$LOGS/slurmctld.log" "$LOGS"/slurmd-n*.log; }
+waitfor 60 all_up || { sinfo -N >&2 || true; fail "nodes are not up after 60 s" "$LOGS/slurmctld.log" "$LOGS"/slurmd-n*.log; }
 waitfor 30 sacct -n -X -S now-1minute || fail "sacct does not answer" "$LOGS/slurmdbd.log"
 
 log "cluster '$CLUSTER' up in $(( $(date +%s) - T0 ))s (state $STATE${changed:+; new config: ${changed[*]}})"
