@@ -140,6 +140,12 @@ class Controller:
     def _after_commit(self, tracker: Tracker, k: int, stage: str) -> None:
         manifest = commit.read_manifest(self.run.stage_dir(k, stage))
         tracker.log_metrics(stage_metrics(stage, manifest), step=k)
+        if self.exp.executor.kind == "slurm" and manifest.get("job_id"):
+            from hpcrl.slurm import lineage
+
+            metrics, tags = lineage(str(manifest["job_id"]), stage)
+            tracker.log_metrics(metrics, step=k)
+            tracker.set_tags(tags)
         if stage == "update":
             self.run.publish_policy(k + 1)
         if stage == "score":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import subprocess
 
-FIELDS = ("JobID", "State", "Submit", "Start", "Elapsed", "NodeList")
+FIELDS = ("JobID", "State", "Submit", "Start", "Elapsed", "NodeList", "NNodes", "AllocTRES")
 
 
 def _seconds(a: str, b: str) -> str:
@@ -27,6 +27,33 @@ def accounting(job_ids: list[str]) -> dict[str, dict[str, str]]:
         values = dict(zip(FIELDS, line.split("|"), strict=False))
         rows[values["JobID"]] = values
     return rows
+
+
+def _elapsed_s(text: str) -> float:
+    """sacct's [D-]HH:MM:SS in seconds."""
+    days, _, clock = text.rpartition("-")
+    parts = [float(p) for p in clock.split(":")]
+    while len(parts) < 3:
+        parts.insert(0, 0.0)
+    return (float(days) if days else 0.0) * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2]
+
+
+def lineage(job_id: str, stage: str) -> tuple[dict[str, float], dict[str, str]]:
+    """MLflow metrics and tags for one stage job: queue wait, elapsed, GPU-hours, nodes."""
+    a = accounting([job_id]).get(job_id)
+    if not a:
+        return {}, {}
+    gpus = 0
+    for item in a.get("AllocTRES", "").split(","):
+        if item.startswith("gres/gpu="):
+            gpus = int(item.split("=")[1])
+    elapsed = _elapsed_s(a["Elapsed"]) if a.get("Elapsed") else 0.0
+    wait = _seconds(a.get("Submit", ""), a.get("Start", ""))
+    metrics = {f"slurm/{stage}/elapsed_s": elapsed, f"slurm/{stage}/gpu_hours": elapsed * gpus / 3600}
+    if wait != "-":
+        metrics[f"slurm/{stage}/queue_wait_s"] = float(wait[:-1])
+    tags = {f"slurm.{stage}.last_job_id": job_id, f"slurm.{stage}.last_nodes": a.get("NodeList", "")}
+    return metrics, tags
 
 
 def job_table(jobs: list[dict]) -> str:

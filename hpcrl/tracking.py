@@ -75,6 +75,10 @@ class Tracker:
         batch = [self._mlflow.entities.Metric(k, v, now, step) for k, v in metrics.items()]
         self._guard(lambda: self.client.log_batch(self.run_id, metrics=batch))
 
+    def set_tags(self, tags: dict[str, str]) -> None:
+        if self.enabled and tags:
+            self._guard(lambda: [self.client.set_tag(self.run_id, k, v) for k, v in tags.items()])
+
     def log_table(self, rows: list[dict], artifact_file: str) -> None:
         if not self.enabled or not rows:
             return

@@ -60,7 +60,8 @@ def test_dataset_without_prompt_column(write_experiment, tmp_path):
 
 
 def test_plain_columns_and_jsonl_are_accepted(write_experiment, tmp_path):
-    pq.write_table(pa.table({"prompt": ["1+1="], "answer": ["2"]}), tmp_path / "plain.parquet")
+    pq.write_table(pa.table({"prompt": [f"{i}+1=" for i in range(8)], "answer": [str(i + 1) for i in range(8)]}),
+                   tmp_path / "plain.parquet")
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "2+2=", "answer": "4"}) + "\n")
     exp = _load_checked(write_experiment(data={"train": str(tmp_path / "plain.parquet"),
                                                "test": str(tmp_path / "p.jsonl")}))
@@ -88,6 +89,13 @@ def test_model_directory_without_config(write_experiment, tmp_path):
 def test_unknown_reward_function(write_experiment):
     path = write_experiment(reward={"functions": ["hpcrl.rewards:nope"]})
     with pytest.raises(ConfigError, match=r"reward\.functions: .*has no function 'nope'"):
+        _load_checked(path)
+
+
+def test_dataset_smaller_than_one_iteration(write_experiment, tmp_path):
+    pq.write_table(pa.table({"prompt": ["1+1="], "answer": ["2"]}), tmp_path / "one.parquet")
+    path = write_experiment(data={"train": str(tmp_path / "one.parquet")})
+    with pytest.raises(ConfigError, match=r"data\.train: .*1 prompts, fewer than algorithm\.prompts_per_iteration = 8"):
         _load_checked(path)
 
 

@@ -56,8 +56,9 @@ def test_replay_with_another_reward_function_reports_the_changed_reward(run, tmp
 
 def test_replay_of_generate_reports_token_agreement_and_logprobs(run, tmp_path):
     out = hpcrl("replay", str(run.root), "--iteration", "0", "--stage", "generate", "--out", str(tmp_path / "g"))
-    assert "token agreement:" in out.stdout or "files: byte-identical" in out.stdout, out.stdout + out.stderr
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "token agreement: 40/40 samples identical (100.0%)" in out.stdout  # 8 prompts x 4 + 8 validation
+    assert "logprob difference on identical samples: max" in out.stdout
 
 
 def test_corrupted_input_is_named_not_a_traceback(run, tmp_path):

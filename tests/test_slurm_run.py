@@ -94,6 +94,15 @@ def test_run_on_slurm_through_a_controller_job_matches_local(runs_root, tiny_tas
     status = subprocess.run([sys.executable, "-m", "hpcrl.cli", "status", str(run.root)], capture_output=True,
                             text=True)
     assert "Slurm jobs:" in status.stdout and "COMPLETED" in status.stdout
+    import sqlite3  # lineage in MLflow: per-stage queue wait, elapsed time and GPU-hours, job ids and nodes
+
+    info = run.read_run_info()
+    con = sqlite3.connect(info["mlflow_tracking_uri"].removeprefix("sqlite:///"))
+    keys = {k for (k,) in con.execute("select key from metrics where run_uuid=?", (info["mlflow_run_id"],))}
+    for stage in ("generate", "score", "update"):
+        assert {f"slurm/{stage}/elapsed_s", f"slurm/{stage}/queue_wait_s", f"slurm/{stage}/gpu_hours"} <= keys
+    tags = dict(con.execute("select key, value from tags where run_uuid=?", (info["mlflow_run_id"],)))
+    assert tags["slurm.update.last_nodes"] in ("n1", "n2")
 
 
 def _wait_for_running(run: RunDir, iteration: int, stage: str, proc, timeout: float = 600) -> str:
