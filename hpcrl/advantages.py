@@ -1,13 +1,40 @@
-"""Advantage estimators: pure functions from rewards to per-sample advantages.
+"""Advantage estimators: pure functions from rewards (and values) to advantages.
 
-GRPO normalises each reward within its group (the samples of one prompt). No I/O here.
+A registry maps the config's `algorithm.name` to an outcome-reward estimator, so adding one is one
+decorated function here plus its test. No I/O here.
+
+| name | advantage of sample i in group g | from |
+|---|---|---|
+| grpo | (r_i - mean_g) / (std_g + eps); without the division (norm_by_std false) it is Dr.GRPO | Shao et al. 2024; Liu et al. 2025 |
+| rloo | r_i - mean of the other samples of g | Ahmadian et al. 2024 |
+| reinforce_pp | r_i - mean_g, then whitened over the whole batch | Hu 2025 (REINFORCE++-baseline) |
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+Estimator = Callable[..., torch.Tensor]
+ESTIMATORS: dict[str, Estimator] = {}
 
+
+def register(name: str) -> Callable[[Estimator], Estimator]:
+    def wrap(fn: Estimator) -> Estimator:
+        ESTIMATORS[name] = fn
+        return fn
+
+    return wrap
+
+
+def _groups(rewards: torch.Tensor, group_ids: torch.Tensor):
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    sums = torch.zeros(counts.numel(), dtype=torch.float64).index_add_(0, inverse, rewards)
+    return inverse, counts, sums
+
+
+@register("grpo")
 def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True,
          eps: float = 1e-6) -> torch.Tensor:
     """(r - mean_group(r)) / (std_group(r) + eps); without the division when `norm_by_std` is False.
@@ -16,15 +43,55 @@ def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = Tru
     whose rewards are all equal gets advantage 0.
     """
     rewards = rewards.to(torch.float64)
-    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    n_groups = counts.numel()
-    sums = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inverse, rewards)
-    means = sums / counts
-    centred = rewards - means[inverse]
+    inverse, counts, sums = _groups(rewards, group_ids)
+    centred = rewards - (sums / counts)[inverse]
     if not norm_by_std:
         return centred.to(torch.float32)
-    sq = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inverse, centred**2)
+    sq = torch.zeros(counts.numel(), dtype=torch.float64).index_add_(0, inverse, centred**2)
     std = torch.sqrt(sq / (counts - 1).clamp(min=1))
     denom = std[inverse] + eps
     safe = torch.where(denom > 0, denom, torch.ones_like(denom))
     return torch.where(denom > 0, centred / safe, torch.zeros_like(centred)).to(torch.float32)
+
+
+@register("rloo")
+def rloo(rewards: torch.Tensor, group_ids: torch.Tensor, **_) -> torch.Tensor:
+    """Leave-one-out baseline: r_i minus the mean reward of the group's other samples."""
+    rewards = rewards.to(torch.float64)
+    inverse, counts, sums = _groups(rewards, group_ids)
+    n = counts[inverse].to(torch.float64)
+    others = (sums[inverse] - rewards) / (n - 1).clamp(min=1)
+    return torch.where(n > 1, rewards - others, torch.zeros_like(rewards)).to(torch.float32)
+
+
+@register("reinforce_pp")
+def reinforce_pp(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6, **_) -> torch.Tensor:
+    """REINFORCE++ with baseline: group-centred rewards, whitened over the batch (unbiased std)."""
+    centred = grpo(rewards, group_ids, norm_by_std=False).to(torch.float64)
+    std = centred.std() if centred.numel() > 1 else torch.zeros((), dtype=torch.float64)
+    return ((centred - centred.mean()) / (std + eps)).to(torch.float32)
+
+
+def compute(name: str, rewards: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True) -> torch.Tensor:
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ESTIMATORS)}")
+    return ESTIMATORS[name](rewards, group_ids, norm_by_std=norm_by_std)
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+        lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the response tokens ([batch, tokens] each).
+
+    Returns (advantages, returns = advantages + values); the value after the last response token
+    is 0. Positions outside `mask` get 0 and are skipped when bootstrapping.
+    """
+    advantages = torch.zeros_like(rewards, dtype=torch.float64)
+    last = torch.zeros(rewards.shape[0], dtype=torch.float64)
+    next_value = torch.zeros(rewards.shape[0], dtype=torch.float64)
+    for t in reversed(range(rewards.shape[1])):
+        m = mask[:, t].to(torch.float64)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last = m * (delta + gamma * lam * last) + (1 - m) * last
+        next_value = m * values[:, t].to(torch.float64) + (1 - m) * next_value
+        advantages[:, t] = m * last
+    return advantages.to(rewards.dtype), (advantages + values * mask).to(rewards.dtype)

@@ -57,14 +57,16 @@ class DataConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    name: Literal["grpo"] = Field("grpo", description="Advantage estimator and loss family.")
+    name: Literal["grpo", "rloo", "reinforce_pp"] = Field("grpo", description="Advantage estimator (hpcrl/advantages.py): grpo, rloo or reinforce_pp.")
     group_size: int = Field(8, ge=2, description="Samples per prompt (the GRPO group).")
     prompts_per_iteration: int = Field(32, ge=1, description="Prompts drawn per iteration.")
     norm_adv_by_std: bool = Field(True, description="Divide group-centred rewards by the group's std (False: Dr.GRPO).")
-    clip_ratio: float = Field(0.2, gt=0, description="PPO clip range epsilon.")
+    clip_ratio: float = Field(0.2, gt=0, description="PPO clip range epsilon (the lower side when clip_ratio_high is set).")
+    clip_ratio_high: float = Field(0.0, ge=0, description="Upper clip range (clip-higher, e.g. 0.28); 0: same as clip_ratio.")
+    dual_clip_c: float = Field(0.0, ge=0, description="Dual-clip constant c > 1 capping the loss of negative advantages; 0: off.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference policy (0: no reference).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator for the penalty.")
-    loss_agg: Literal["token-mean"] = Field("token-mean", description="Loss aggregation over tokens.")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field("token-mean", description="Loss aggregation (hpcrl/losses.py).")
 
 
 class GenerateConfig(Section):
@@ -182,6 +184,8 @@ def parse(data: dict[str, Any], source: str, base_dir: Path) -> Experiment:
     except ValidationError as err:
         lines = "\n  ".join(_describe(e) for e in err.errors())
         raise ConfigError(f"{source}: invalid config:\n  {lines}") from None
+    if 0 < exp.algorithm.dual_clip_c <= 1:
+        raise ConfigError(f"{source}: algorithm.dual_clip_c: expected 0 (off) or a value above 1, got {exp.algorithm.dual_clip_c}")
     if exp.reward.weights and len(exp.reward.weights) != len(exp.reward.functions):
         raise ConfigError(f"{source}: reward.weights: expected {len(exp.reward.functions)} weights "
                           f"(one per reward.functions entry), got {len(exp.reward.weights)}")

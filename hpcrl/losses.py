@@ -2,6 +2,13 @@
 
 Pure functions over tensors; the trainer calls them, tests check them against hand-computed
 numbers. Shapes: [batch, tokens] with a 0/1 `mask` over response tokens.
+
+Loss aggregation (`algorithm.loss_agg`), each normalised by mini-batch totals across all ranks
+and micro-batches, so the loss does not depend on how the batch is split:
+  token-mean           sum of token losses / tokens in the mini-batch            (DAPO)
+  seq-mean-token-mean  mean over sequences of each sequence's token mean         (GRPO paper)
+  seq-mean-token-sum   mean over sequences of each sequence's token sum          (Dr.GRPO)
+Clipping: `clip_low`/`clip_high` (clip-higher, DAPO) and dual-clip (`dual_clip_c`, Ye et al. 2020).
 """
 
 from __future__ import annotations
@@ -52,6 +59,23 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor, n_tokens: float | None 
     return token_sum(values, mask) / max(float(denom), 1.0)
 
 
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", n_tokens: float | None = None,
+              n_seqs: float | None = None) -> torch.Tensor:
+    """Aggregate per-token values; `n_tokens`/`n_seqs` are the mini-batch totals (default: this batch's)."""
+    if mode == "token-mean":
+        return token_mean(values, mask, n_tokens)
+    per_seq = (values * mask).sum(-1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / mask.sum(-1).clamp(min=1)
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGGREGATIONS}")
+    denom = values.shape[0] if n_seqs is None else n_seqs
+    return per_seq.sum() / max(float(denom), 1.0)
+
+
 @dataclass
 class PolicyLoss:
     loss: torch.Tensor  # to backpropagate
@@ -63,25 +87,32 @@ class PolicyLoss:
 
 def ppo_clip(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
              clip_ratio: float = 0.2, ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
-             kl_estimator: str = "k3", n_tokens: float | None = None) -> PolicyLoss:
-    """PPO clipped surrogate with token-mean aggregation and an optional KL penalty term.
+             kl_estimator: str = "k3", n_tokens: float | None = None, *, clip_high: float | None = None,
+             dual_clip_c: float | None = None, agg: str = "token-mean", n_seqs: float | None = None) -> PolicyLoss:
+    """PPO clipped surrogate with an optional KL penalty term.
 
-    `advantages` is per sequence ([batch]) or per token ([batch, tokens]). Reported statistics are
-    means over this call's masked tokens; `loss` is normalised by `n_tokens` (see token_mean).
+    The ratio is clipped to [1 - clip_ratio, 1 + clip_high] (clip_high defaults to clip_ratio);
+    with `dual_clip_c` (> 1) the loss of a negative-advantage token is also capped at c * |A|.
+    `advantages` is per sequence ([batch]) or per token ([batch, tokens]). `loss` is aggregated
+    with `agg` over the mini-batch totals `n_tokens`/`n_seqs`; reported statistics are token means
+    over this call's masked tokens.
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(logp)
+    high = clip_ratio if clip_high is None else clip_high
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + high)
     pg_tokens = torch.maximum(unclipped, clipped)
-    pg_loss = token_mean(pg_tokens, mask, n_tokens)
+    if dual_clip_c is not None:
+        pg_tokens = torch.where(advantages < 0, torch.minimum(pg_tokens, -advantages * dual_clip_c), pg_tokens)
+    pg_loss = aggregate(pg_tokens, mask, agg, n_tokens, n_seqs)
     loss = pg_loss
     kl_ref = torch.zeros((), dtype=logp.dtype)
     if ref_logp is not None and kl_coef > 0:
         kl_tokens = kl_penalty(logp, ref_logp, kl_estimator)
-        loss = loss + kl_coef * token_mean(kl_tokens, mask, n_tokens)
+        loss = loss + kl_coef * aggregate(kl_tokens, mask, agg, n_tokens, n_seqs)
         kl_ref = token_mean(kl_tokens.detach(), mask)
     with torch.no_grad():
         clipfrac = token_mean((clipped > unclipped).float(), mask)

@@ -178,7 +178,9 @@ def train_step(engine, samples: Samples, mini: list[int], adv: torch.Tensor, old
         logits = engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
         logp = losses.token_logprobs(logits, mb.targets, temperature)
         out = losses.ppo_clip(logp, padded(old, mb), adv[mb.index].to(logp.device), mb.mask, a.clip_ratio,
-                              padded(ref, mb) if ref is not None else None, a.kl_coef, a.kl_estimator, n_tokens)
+                              padded(ref, mb) if ref is not None else None, a.kl_coef, a.kl_estimator, n_tokens,
+                              clip_high=a.clip_ratio_high or None, dual_clip_c=a.dual_clip_c or None,
+                              agg=a.loss_agg, n_seqs=len(mini))
         if not torch.isfinite(out.loss):
             raise FloatingPointError(f"non-finite loss ({out.loss.item()}) on rank {rank}; the update is not "
                                      "committed and the run stays at the last good policy version")

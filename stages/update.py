@@ -33,7 +33,7 @@ def body(ctx: StageContext) -> None:
         samples = trainer.load_samples(commit.read_table(gen, "rollouts"), commit.read_table(scored, "scores"))
     n = len(samples)
     trainer.check_batch_shape(exp, n, world)
-    adv = advantages.grpo(samples.rewards, samples.group_ids, exp.algorithm.norm_adv_by_std)
+    adv = advantages.compute(exp.algorithm.name, samples.rewards, samples.group_ids, exp.algorithm.norm_adv_by_std)
     per_rank_mini = n // exp.update.mini_batches // world
     grad_accum = -(-per_rank_mini // exp.update.micro_batch_size)
     dtype = getattr(torch, exp.model.dtype)

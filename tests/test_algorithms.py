@@ -95,3 +95,68 @@ def test_prompt_draw_never_repeats_within_an_iteration_and_covers_each_epoch():
         assert len(set(d.tolist())) == 32  # iteration 3 crosses the first epoch boundary
     assert len({int(i) for d in draws[:3] for i in d}) == 96  # no repeats inside the first epoch
     assert (draw_prompts(100, 32, 4, seed=5) == draws[4]).all()  # deterministic
+
+
+def test_rloo_subtracts_the_mean_of_the_other_samples():
+    adv = advantages.rloo(torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.zeros(4, dtype=torch.long))
+    assert adv.tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
+
+
+def test_reinforce_pp_whitens_group_centred_rewards_over_the_batch():
+    adv = advantages.reinforce_pp(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1]), eps=0.0)
+    s = math.sqrt((0.25 + 0.25) / 3)  # centred (0.5, -0.5, 0, 0): mean 0, unbiased std sqrt(1/6)
+    assert adv.tolist() == pytest.approx([0.5 / s, -0.5 / s, 0.0, 0.0])
+
+
+def test_estimator_registry_names_every_estimator():
+    assert set(advantages.ESTIMATORS) == {"grpo", "rloo", "reinforce_pp"}
+    r, g = torch.tensor([1.0, 0.0]), torch.tensor([0, 0])
+    assert advantages.compute("grpo", r, g, norm_by_std=False).tolist() == pytest.approx([0.5, -0.5])  # Dr.GRPO
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo2'"):
+        advantages.compute("ppo2", r, g)
+
+
+def test_gae_by_hand():
+    rewards = torch.tensor([[0.0, 0.0, 1.0]], dtype=torch.float64)
+    values = torch.tensor([[0.5, 0.6, 0.7]], dtype=torch.float64)
+    mask = torch.ones(1, 3)
+    adv, ret = advantages.gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    assert adv[0].tolist() == pytest.approx([0.5, 0.4, 0.3])
+    assert ret[0].tolist() == pytest.approx([1.0, 1.0, 1.0])
+    adv, _ = advantages.gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    # deltas (0.04, 0.03, 0.3); A2 = 0.3, A1 = 0.03 + 0.45 * 0.3, A0 = 0.04 + 0.45 * A1
+    assert adv[0].tolist() == pytest.approx([0.04 + 0.45 * 0.165, 0.165, 0.3])
+
+
+def test_aggregations_by_hand():
+    values = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert losses.aggregate(values, mask, "token-mean").item() == pytest.approx(6 / 3)
+    assert losses.aggregate(values, mask, "seq-mean-token-mean").item() == pytest.approx((1.5 + 3.0) / 2)
+    assert losses.aggregate(values, mask, "seq-mean-token-sum").item() == pytest.approx((3.0 + 3.0) / 2)
+
+
+@pytest.mark.parametrize("mode", losses.AGGREGATIONS)
+def test_every_aggregation_is_the_same_with_one_or_two_ranks(mode):
+    torch.manual_seed(1)
+    logp, old = torch.randn(8, 6) * 0.1, torch.randn(8, 6) * 0.1
+    adv = torch.randn(8)
+    mask = (torch.rand(8, 6) > 0.3).float()
+    n_tok, n_seq = mask.sum().item(), 8
+    one = losses.ppo_clip(logp, old, adv, mask, 0.2, n_tokens=n_tok, agg=mode, n_seqs=n_seq).loss
+    # two ranks, each with two micro-batches, normalised by the mini-batch totals
+    parts = sum(losses.ppo_clip(logp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], 0.2, n_tokens=n_tok,
+                                agg=mode, n_seqs=n_seq).loss for i in range(0, 8, 2))
+    assert parts.item() == pytest.approx(one.item(), abs=1e-7)
+
+
+def test_clip_higher_and_dual_clip_by_hand():
+    old = torch.zeros(1, 2)
+    mask = torch.ones(1, 2)
+    logp = torch.log(torch.tensor([[1.5, 5.0]]))
+    adv = torch.tensor([[1.0, -1.0]])
+    out = losses.ppo_clip(logp, old, adv, mask, clip_ratio=0.2, clip_high=0.28)
+    # token 1: A>0, ratio 1.5 -> clipped at 1.28 -> -1.28; token 2: A<0, ratio 5 -> max(5, 1.2) = 5
+    assert out.loss.item() == pytest.approx((-1.28 + 5.0) / 2)
+    dual = losses.ppo_clip(logp, old, adv, mask, clip_ratio=0.2, clip_high=0.28, dual_clip_c=3.0)
+    assert dual.loss.item() == pytest.approx((-1.28 + 3.0) / 2)  # the negative-advantage loss is capped at c|A|

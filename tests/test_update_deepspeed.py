@@ -144,3 +144,22 @@ def test_kl_penalty_to_the_reference_policy(write_experiment):
     assert stats[0]["kl_ref"] == pytest.approx(0.0, abs=1e-9)  # before any step
     assert stats[1]["kl_ref"] > 0  # the first step moved the policy away from the reference
     assert commit.read_manifest(d)["metrics"]["actor/kl_loss"] > 0
+
+
+def test_update_with_rloo_seq_mean_aggregation_and_clip_variants(write_experiment):
+    from transformers import AutoTokenizer
+
+    from hpcrl import advantages
+
+    algo = {"name": "rloo", "loss_agg": "seq-mean-token-sum", "clip_ratio_high": 0.28, "dual_clip_c": 3.0}
+    exp = config.load(write_experiment("rloo", algorithm=algo, run={"iterations": 1}))
+    run, _ = runs.prepare(exp, "rloo")
+    _commit_inputs(run, exp, AutoTokenizer.from_pretrained(exp.model.path))
+    executors.LocalExecutor(run, exp).submit("update", 0).job.results()
+    d = run.stage_dir(0, "update")
+    adv = commit.read_table(d, "advantages")
+    rewards = commit.read_table(run.stage_dir(0, "score"), "scores")["reward"].to_numpy()
+    expected = advantages.rloo(torch.tensor(rewards), torch.tensor(adv["prompt_index"].to_numpy()))
+    np.testing.assert_allclose(adv["advantage"].to_numpy(), expected.numpy(), rtol=1e-6)
+    stats = commit.read_table(d, "stats").to_pylist()
+    assert all(s["grad_norm"] > 0 for s in stats)
