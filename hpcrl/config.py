@@ -66,6 +66,7 @@ class AlgorithmConfig(Section):
     dual_clip_c: float = Field(0.0, ge=0, description="Dual-clip constant c > 1 capping the loss of negative advantages; 0: off.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference policy (0: no reference).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator for the penalty.")
+    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus in the loss (0: none).")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field("token-mean", description="Loss aggregation (hpcrl/losses.py).")
 
 

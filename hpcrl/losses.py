@@ -88,14 +88,16 @@ class PolicyLoss:
 def ppo_clip(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
              clip_ratio: float = 0.2, ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
              kl_estimator: str = "k3", n_tokens: float | None = None, *, clip_high: float | None = None,
-             dual_clip_c: float | None = None, agg: str = "token-mean", n_seqs: float | None = None) -> PolicyLoss:
+             dual_clip_c: float | None = None, agg: str = "token-mean", n_seqs: float | None = None,
+             token_entropy: torch.Tensor | None = None, entropy_coef: float = 0.0) -> PolicyLoss:
     """PPO clipped surrogate with an optional KL penalty term.
 
     The ratio is clipped to [1 - clip_ratio, 1 + clip_high] (clip_high defaults to clip_ratio);
     with `dual_clip_c` (> 1) the loss of a negative-advantage token is also capped at c * |A|.
     `advantages` is per sequence ([batch]) or per token ([batch, tokens]). `loss` is aggregated
-    with `agg` over the mini-batch totals `n_tokens`/`n_seqs`; reported statistics are token means
-    over this call's masked tokens.
+    with `agg` over the mini-batch totals `n_tokens`/`n_seqs`; an entropy bonus subtracts
+    `entropy_coef` times the aggregated `token_entropy`. Reported statistics are token means over
+    this call's masked tokens.
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(logp)
@@ -114,6 +116,8 @@ def ppo_clip(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
         kl_tokens = kl_penalty(logp, ref_logp, kl_estimator)
         loss = loss + kl_coef * aggregate(kl_tokens, mask, agg, n_tokens, n_seqs)
         kl_ref = token_mean(kl_tokens.detach(), mask)
+    if token_entropy is not None and entropy_coef > 0:
+        loss = loss - entropy_coef * aggregate(token_entropy, mask, agg, n_tokens, n_seqs)
     with torch.no_grad():
         clipfrac = token_mean((clipped > unclipped).float(), mask)
         ppo_kl = token_mean(-log_ratio, mask)

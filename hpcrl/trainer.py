@@ -177,17 +177,20 @@ def train_step(engine, samples: Samples, mini: list[int], adv: torch.Tensor, old
         mb = mb.to(engine.device)
         logits = engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
         logp = losses.token_logprobs(logits, mb.targets, temperature)
+        token_entropy = losses.entropy(logits) if a.entropy_coef > 0 else None
         out = losses.ppo_clip(logp, padded(old, mb), adv[mb.index].to(logp.device), mb.mask, a.clip_ratio,
                               padded(ref, mb) if ref is not None else None, a.kl_coef, a.kl_estimator, n_tokens,
                               clip_high=a.clip_ratio_high or None, dual_clip_c=a.dual_clip_c or None,
-                              agg=a.loss_agg, n_seqs=len(mini))
+                              agg=a.loss_agg, n_seqs=len(mini), token_entropy=token_entropy,
+                              entropy_coef=a.entropy_coef)
         if not torch.isfinite(out.loss):
             raise FloatingPointError(f"non-finite loss ({out.loss.item()}) on rank {rank}; the update is not "
                                      "committed and the run stays at the last good policy version")
         engine.backward(out.loss * scale)
         tokens = float(mb.mask.sum())
         with torch.no_grad():
-            ent = losses.token_sum(losses.entropy(logits), mb.mask).item()
+            ent_tokens = token_entropy if token_entropy is not None else losses.entropy(logits)
+            ent = losses.token_sum(ent_tokens, mb.mask).item()
         sums["loss"] += out.loss.item()
         sums["pg_loss"] += out.pg_loss.item()
         sums["pg_clipfrac"] += out.clipfrac.item() * tokens / n_tokens

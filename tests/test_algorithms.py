@@ -160,3 +160,11 @@ def test_clip_higher_and_dual_clip_by_hand():
     assert out.loss.item() == pytest.approx((-1.28 + 5.0) / 2)
     dual = losses.ppo_clip(logp, old, adv, mask, clip_ratio=0.2, clip_high=0.28, dual_clip_c=3.0)
     assert dual.loss.item() == pytest.approx((-1.28 + 3.0) / 2)  # the negative-advantage loss is capped at c|A|
+
+
+def test_entropy_bonus_lowers_the_loss_by_its_coefficient():
+    logp = torch.zeros(1, 2)
+    ent = torch.tensor([[0.5, 1.5]])
+    out = losses.ppo_clip(logp, logp.clone(), torch.ones(1), torch.ones(1, 2), 0.2, token_entropy=ent, entropy_coef=0.1)
+    assert out.pg_loss.item() == pytest.approx(-1.0)  # ratio 1, advantage 1
+    assert out.loss.item() == pytest.approx(-1.0 - 0.1 * 1.0)  # token mean entropy 1.0

@@ -146,12 +146,13 @@ def test_kl_penalty_to_the_reference_policy(write_experiment):
     assert commit.read_manifest(d)["metrics"]["actor/kl_loss"] > 0
 
 
-def test_update_with_rloo_seq_mean_aggregation_and_clip_variants(write_experiment):
+def test_update_with_rloo_seq_mean_aggregation_clip_variants_and_entropy_bonus(write_experiment):
     from transformers import AutoTokenizer
 
     from hpcrl import advantages
 
-    algo = {"name": "rloo", "loss_agg": "seq-mean-token-sum", "clip_ratio_high": 0.28, "dual_clip_c": 3.0}
+    algo = {"name": "rloo", "loss_agg": "seq-mean-token-sum", "clip_ratio_high": 0.28, "dual_clip_c": 3.0,
+            "entropy_coef": 0.01}
     exp = config.load(write_experiment("rloo", algorithm=algo, run={"iterations": 1}))
     run, _ = runs.prepare(exp, "rloo")
     _commit_inputs(run, exp, AutoTokenizer.from_pretrained(exp.model.path))
