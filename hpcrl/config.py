@@ -82,6 +82,8 @@ class GenerateConfig(Section):
 class RewardConfig(Section):
     functions: list[str] = Field(["hpcrl.rewards:exact_match"], min_length=1, description="Reward functions as `module:function`; the reward is their weighted sum.")
     weights: list[float] = Field([], description="One weight per function; empty means all 1.")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO overlong penalty: training responses longer than generate.max_tokens minus this many tokens lose reward linearly (0: off).")
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="Penalty at generate.max_tokens for the overlong penalty.")
 
 
 class UpdateConfig(Section):
@@ -187,6 +189,9 @@ def parse(data: dict[str, Any], source: str, base_dir: Path) -> Experiment:
         raise ConfigError(f"{source}: invalid config:\n  {lines}") from None
     if 0 < exp.algorithm.dual_clip_c <= 1:
         raise ConfigError(f"{source}: algorithm.dual_clip_c: expected 0 (off) or a value above 1, got {exp.algorithm.dual_clip_c}")
+    if exp.reward.overlong_buffer > exp.generate.max_tokens:
+        raise ConfigError(f"{source}: reward.overlong_buffer: expected at most generate.max_tokens = "
+                          f"{exp.generate.max_tokens}, got {exp.reward.overlong_buffer}")
     if exp.reward.weights and len(exp.reward.weights) != len(exp.reward.functions):
         raise ConfigError(f"{source}: reward.weights: expected {len(exp.reward.functions)} weights "
                           f"(one per reward.functions entry), got {len(exp.reward.weights)}")

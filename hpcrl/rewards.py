@@ -49,6 +49,15 @@ def gsm8k(response: str, ground_truth: str, **_) -> dict:
             "message": message}
 
 
+def overlong_penalty(length: int, max_tokens: int, buffer: int, factor: float = 1.0) -> float:
+    """DAPO's soft overlong punishment: 0 up to max_tokens - buffer, then falling linearly to
+    -factor at max_tokens (Yu et al. 2025)."""
+    if buffer <= 0:
+        return 0.0
+    exceed = length - (max_tokens - buffer)
+    return min(-exceed / buffer * factor, 0.0)
+
+
 @dataclass(frozen=True)
 class Scored:
     reward: float

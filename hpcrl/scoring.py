@@ -11,7 +11,8 @@ from hpcrl import rewards
 from hpcrl.config import RewardConfig
 from hpcrl.schemas import SAMPLE_KEYS
 
-INPUT_COLUMNS = [*SAMPLE_KEYS, "data_source", "prompt_text", "ground_truth", "response_text"]
+INPUT_COLUMNS = [*SAMPLE_KEYS, "data_source", "prompt_text", "ground_truth", "response_text", "response_ids",
+                 "finish_reason"]
 
 
 def load_functions(cfg: RewardConfig) -> tuple[dict[str, rewards.RewardFn], dict[str, float]]:
@@ -20,16 +21,29 @@ def load_functions(cfg: RewardConfig) -> tuple[dict[str, rewards.RewardFn], dict
     return fns, weights
 
 
-def score(rollouts: pa.Table, fns: dict[str, rewards.RewardFn], weights: dict[str, float]) -> pa.Table:
+def score(rollouts: pa.Table, fns: dict[str, rewards.RewardFn], weights: dict[str, float],
+          overlong_buffer: int = 0, overlong_factor: float = 1.0, max_tokens: int = 0) -> pa.Table:
+    """Rewards per sample. Every sample records `truncated` (it hit the length limit); with an
+    overlong buffer, training samples also get the `overlong` penalty added to their reward."""
     rows = rollouts.select(INPUT_COLUMNS).to_pylist()
-    scored = [rewards.combine(fns, weights, r["response_text"], r["ground_truth"],
-                              data_source=r["data_source"], prompt=r["prompt_text"]) for r in rows]
+    out_reward, out_components, out_message = [], [], []
+    for r in rows:
+        s = rewards.combine(fns, weights, r["response_text"], r["ground_truth"], data_source=r["data_source"],
+                            prompt=r["prompt_text"])
+        components = {**s.components, "truncated": float(r["finish_reason"] == "length")}
+        reward = s.reward
+        if overlong_buffer and r["split"] == "train":
+            components["overlong"] = rewards.overlong_penalty(len(r["response_ids"]), max_tokens, overlong_buffer,
+                                                              overlong_factor)
+            reward += components["overlong"]
+        out_reward.append(reward)
+        out_components.append(list(components.items()))
+        out_message.append(s.message)
     return pa.table({
         **{k: rollouts[k] for k in SAMPLE_KEYS},
-        "reward": pa.array([s.reward for s in scored], pa.float64()),
-        "reward_components": pa.array([list(s.components.items()) for s in scored],
-                                      pa.map_(pa.string(), pa.float64())),
-        "reward_message": pa.array([s.message for s in scored], pa.string()),
+        "reward": pa.array(out_reward, pa.float64()),
+        "reward_components": pa.array(out_components, pa.map_(pa.string(), pa.float64())),
+        "reward_message": pa.array(out_message, pa.string()),
     })
 
 

@@ -18,7 +18,9 @@ def body(ctx: StageContext) -> None:
     with ctx.timed("load"):
         fns, weights = scoring.load_functions(ctx.exp.reward)
     with ctx.timed("compute"):
-        scores = scoring.score(rollouts, fns, weights)
+        r = ctx.exp.reward
+        scores = scoring.score(rollouts, fns, weights, r.overlong_buffer, r.overlong_penalty_factor,
+                               ctx.exp.generate.max_tokens)
     with ctx.timed("io"):
         ctx.writer.write_table("scores", scores)
     ctx.writer.metrics.update(scoring.metrics(rollouts, scores))
