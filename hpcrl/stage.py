@@ -3,7 +3,8 @@ committed stage, stage outputs in a temporary directory, time the phases, commit
 
 Stage bodies (generate, score, update) receive a StageContext and only compute and write tables.
 Multi-rank stages (the update) call `run_stage` on every rank after initialising
-torch.distributed; only rank 0 locks and commits.
+torch.distributed; only rank 0 locks and commits. Stage jobs (stages/) and the resident workers
+(hpcrl.resident) both run their stage bodies through `run_stage`.
 """
 
 from __future__ import annotations
@@ -94,9 +95,12 @@ def _dist_broadcast(value):
 
 
 def run_stage(stage: str, run_dir: str | os.PathLike, iteration: int, body: Body,
-              rank: int = 0, world_size: int = 1) -> dict | None:
-    """Run `body` for one stage of one iteration and commit its output; no-op when committed."""
-    startup = process_age()
+              rank: int = 0, world_size: int = 1, startup: float | None = None) -> dict | None:
+    """Run `body` for one stage of one iteration and commit its output; no-op when committed.
+
+    `startup` is the time spent before the body (default: this process's age, right for a stage
+    job; a resident worker, already up, passes 0)."""
+    startup = process_age() if startup is None else startup
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # compute jobs never reach a model hub
     run = RunDir.at(run_dir)
     exp = config.load(run.config_path)

@@ -5,30 +5,14 @@
 
 from __future__ import annotations
 
-from hpcrl import commit, scoring
-from hpcrl.stage import StageContext, run_stage
+from hpcrl import scoring
+from hpcrl.stage import run_stage
 from stages import cli_args
-
-
-def body(ctx: StageContext) -> None:
-    gen = ctx.input_dir("generate")
-    ctx.policy_version = commit.read_manifest(gen)["policy_version"]
-    with ctx.timed("io"):
-        rollouts = commit.read_table(gen, "rollouts", columns=scoring.INPUT_COLUMNS)
-    with ctx.timed("load"):
-        fns, weights = scoring.load_functions(ctx.exp.reward)
-    with ctx.timed("compute"):
-        r = ctx.exp.reward
-        scores = scoring.score(rollouts, fns, weights, r.overlong_buffer, r.overlong_penalty_factor,
-                               ctx.exp.generate.max_tokens)
-    with ctx.timed("io"):
-        ctx.writer.write_table("scores", scores)
-    ctx.writer.metrics.update(scoring.metrics(rollouts, scores))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = cli_args("score", argv)
-    run_stage("score", args.run_dir, args.iteration, body)
+    run_stage("score", args.run_dir, args.iteration, scoring.score_stage)
 
 
 if __name__ == "__main__":
