@@ -97,13 +97,17 @@ class Actor:
 
     @contextmanager
     def full_parameters(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Every parameter, whole, in HF names (collective under ZeRO-3: every rank enters)."""
+        """Every parameter, whole, in HF names (collective under ZeRO-3: every rank enters).
+
+        Tied parameters come under each of their names (lm_head.weight and embed_tokens.weight):
+        vLLM's in-place reload unties them when only one name arrives."""
         module = self.engine.module
-        params = list(module.named_parameters())
+        params = list(module.named_parameters(remove_duplicate=False))
         if self.exp.update.zero_stage == 3:
             import deepspeed
 
-            with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+            unique = list({id(p): p for _, p in params}.values())
+            with deepspeed.zero.GatheredParameters(unique, modifier_rank=None):
                 yield [(n, p.data) for n, p in params]
         else:
             yield [(n, p.data) for n, p in params]

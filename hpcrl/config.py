@@ -84,6 +84,7 @@ class RewardConfig(Section):
     weights: list[float] = Field([], description="One weight per function; empty means all 1.")
     overlong_buffer: int = Field(0, ge=0, description="DAPO overlong penalty: training responses longer than generate.max_tokens minus this many tokens lose reward linearly (0: off).")
     overlong_penalty_factor: float = Field(1.0, ge=0, description="Penalty at generate.max_tokens for the overlong penalty.")
+    workers: int = Field(0, ge=0, description="Reward worker processes (0: score in the stage's own process).")
 
 
 class UpdateConfig(Section):
@@ -112,11 +113,19 @@ class SlurmResources(Section):
 
 class ExecutorConfig(Section):
     kind: Literal["local", "slurm"] = Field("local", description="Where stage jobs run: `local` (submitit LocalExecutor on this machine) or `slurm` (a Slurm job per stage).")
-    mode: Literal["staged"] = Field("staged", description="`staged`: each stage is its own job.")
+    mode: Literal["staged", "resident"] = Field("staged", description="`staged`: each stage is its own job. `resident`: one job keeps the trainer ranks, the vLLM generator and the reward workers up for the whole run and streams weights from the trainer to vLLM.")
+    weight_sync: Literal["process_group", "filesystem"] = Field("process_group", description="Resident: how new weights reach vLLM: broadcast over a process group (gloo on CPU, NCCL on GPUs) or written to disk and reloaded.")
+    sync_bucket_mb: float = Field(64, ge=0, description="Resident: weight-sync bucket size in MB (0: one broadcast per tensor).")
+    sync_check_tol: float = Field(0.0, ge=0, description="Resident: largest mean |logprob difference| between vLLM and the trainer on the probe batch after a sync (0: 1e-4 for float32, 2e-2 for 16-bit).")
+    checkpoint_every: int = Field(1, ge=1, description="Resident: save the policy and trainer state every N updates (and after the last); a crash resumes from the last saved one.")
+    colocate: bool = Field(False, description="Resident, GPUs: the generator and the trainer share the GPUs; vLLM sleeps (frees its memory) during each update.")
+    stall_s: float = Field(30, gt=0, description="Resident: a task whose heartbeat stalls this long is taken as dead and the job stops.")
+    collective_timeout_s: float = Field(1800, gt=0, description="Resident: timeout of every wait between tasks (commands, weight broadcast).")
     max_retries: int = Field(1, ge=0, description="Retries of a failed stage before the run stops.")
     timeout_min: int = Field(60, ge=1, description="Time limit of one local stage job in minutes.")
     lookahead: int = Field(2, ge=0, description="Slurm: stages submitted ahead of the running one with afterok dependencies.")
     controller: SlurmResources = Field(SlurmResources(cpus_per_task=1, time_min=1440), description="Slurm resources of the controller job.")
+    resident: SlurmResources = Field(SlurmResources(time_min=1440), description="Slurm resources of the resident job (update.world_size trainer tasks + 1 generator task, spread evenly over its nodes).")
     generate: SlurmResources = Field(SlurmResources(), description="Slurm resources of generate jobs.")
     score: SlurmResources = Field(SlurmResources(), description="Slurm resources of score jobs.")
     update: SlurmResources = Field(SlurmResources(), description="Slurm resources of update jobs.")
@@ -192,6 +201,12 @@ def parse(data: dict[str, Any], source: str, base_dir: Path) -> Experiment:
     if exp.reward.overlong_buffer > exp.generate.max_tokens:
         raise ConfigError(f"{source}: reward.overlong_buffer: expected at most generate.max_tokens = "
                           f"{exp.generate.max_tokens}, got {exp.reward.overlong_buffer}")
+    if exp.executor.mode == "resident" and exp.executor.kind == "slurm":
+        n = exp.update.world_size + 1
+        if n % exp.executor.resident.nodes:
+            raise ConfigError(f"{source}: executor.resident.nodes: the resident job's {n} tasks (update.world_size "
+                              f"= {exp.update.world_size} trainers + 1 generator) must spread evenly over "
+                              f"{exp.executor.resident.nodes} nodes")
     if exp.reward.weights and len(exp.reward.weights) != len(exp.reward.functions):
         raise ConfigError(f"{source}: reward.weights: expected {len(exp.reward.functions)} weights "
                           f"(one per reward.functions entry), got {len(exp.reward.weights)}")

@@ -85,8 +85,14 @@ class Controller:
             tracker = Tracker(self.run, self.exp)
             executor = executors.make(self.run, self.exp)
             status = "FAILED"
+            for moved in self.run.rollback():
+                self.echo(f"moved aside {moved.name}: it depends on a policy version that was not saved "
+                          "(executor.checkpoint_every); the run continues from the last saved version")
             try:
-                self._drive(executor, tracker)
+                if self.exp.executor.mode == "resident":
+                    self._drive_resident(executor, tracker)
+                else:
+                    self._drive(executor, tracker)
                 status = "FINISHED"
             except KeyboardInterrupt:
                 status = "KILLED"
@@ -125,8 +131,40 @@ class Controller:
                 job.cancel()
             raise
 
-    def _failed(self, job: executors.StageJob, failures: dict) -> None:
-        key = (job.iteration, job.stage)
+    def _drive_resident(self, executor, tracker: Tracker) -> None:
+        """One job runs every stage; follow its commits as they land (same lines, same MLflow
+        logging as the staged mode) and resubmit it, continuing, if it fails."""
+        failures: dict[tuple[int, str], int] = {}
+        reported = {ks for ks in plan.all_stages(self.exp) if commit.is_committed(self.run.stage_dir(*ks))}
+        while plan.pending_stages(self.run, self.exp):
+            job = executor.submit("resident", None)
+            self.run.record_job(job.job_id, "resident", None)
+            self.echo(f"resident job {job.job_id}: {self.exp.update.world_size} trainer rank(s) + 1 generator; "
+                      f"logs in {job.log_paths()[0].parent}")
+            try:
+                while True:
+                    done = job.done()
+                    for k, stage in plan.all_stages(self.exp):
+                        if (k, stage) not in reported and commit.is_committed(self.run.stage_dir(k, stage)):
+                            reported.add((k, stage))
+                            self._after_commit(tracker, k, stage)
+                    if done:
+                        break
+                    time.sleep(0.5)
+            except KeyboardInterrupt:
+                job.cancel()
+                raise
+            pending = plan.pending_stages(self.run, self.exp)
+            if pending:
+                rolled = self.run.rollback()
+                reported -= {ks for ks in reported if not commit.is_committed(self.run.stage_dir(*ks))}
+                for moved in rolled:
+                    self.echo(f"moved aside {moved.name} (its policy version was not saved)")
+                head = executors.StageJob(job.job, "resident", pending[0][0])
+                self._failed(head, failures, key=(None, "resident"))
+
+    def _failed(self, job: executors.StageJob, failures: dict, key: tuple | None = None) -> None:
+        key = key or (job.iteration, job.stage)
         failures[key] = failures.get(key, 0) + 1
         attempts = self.exp.executor.max_retries + 1
         _, err = job.log_paths()

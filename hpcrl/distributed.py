@@ -25,10 +25,14 @@ def export_env() -> None:
     import submitit
 
     try:
-        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-        return
+        env = submitit.helpers.TorchDistributedEnvironment()  # MASTER_PORT from the environment if set
     except RuntimeError:  # not inside a submitit job
-        pass
+        env = None
+    if env is not None:
+        os.environ.update(MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port), RANK=str(env.rank),
+                          WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank),
+                          LOCAL_WORLD_SIZE=str(env.local_world_size))
+        return
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 

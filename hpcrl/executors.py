@@ -41,7 +41,8 @@ def slurm_parameters(exp: Experiment, role: str, run_name: str) -> dict:
     The one source of a job's resources: the Slurm executor and `hpcrl sbatch` both use it.
     """
     r = getattr(exp.executor, role)
-    tasks = exp.update.world_size // r.nodes if role == "update" else 1
+    tasks = {"update": exp.update.world_size // r.nodes,
+             "resident": (exp.update.world_size + 1) // r.nodes}.get(role, 1)
     params: dict = {"job_name": f"hpcrl-{run_name}-{role}", "nodes": r.nodes, "ntasks_per_node": tasks,
                     "cpus_per_task": r.cpus_per_task, "time": r.time_min,
                     "additional_parameters": {"requeue": True, **r.extra}}
@@ -60,16 +61,25 @@ def stage_module(stage: str) -> str:
 
 
 def tasks_for(exp: Experiment, stage: str) -> int:
-    return exp.update.world_size if stage == "update" else 1
+    return {"update": exp.update.world_size, "resident": exp.update.world_size + 1}.get(stage, 1)
+
+
+def _call(run: RunDir, stage: str, iteration: int | None):
+    """The callable of a job: a stage, or (stage "resident") the whole resident loop."""
+    if stage == "resident":
+        from hpcrl.resident import ResidentCall
+
+        return ResidentCall(str(run.root))
+    return StageCall(stage_module(stage), str(run.root), iteration)
 
 
 @dataclass
 class StageJob:
-    """A submitted stage job, whatever the executor."""
+    """A submitted stage job (or the resident job: stage "resident"), whatever the executor."""
 
     job: object  # submitit.Job
     stage: str
-    iteration: int
+    iteration: int | None
 
     @property
     def job_id(self) -> str:
@@ -94,10 +104,19 @@ class StageJob:
         return Path(self.job.paths.stdout), Path(self.job.paths.stderr)
 
     def stderr_tail(self, lines: int = 20) -> str:
-        _, err = self.log_paths()
-        if not err.is_file():
-            return "(no stderr file)"
-        return "\n".join(err.read_text(errors="replace").splitlines()[-lines:])
+        """The last lines of the job's stderr (of each task, when it has several)."""
+        tasks = getattr(self.job, "num_tasks", 1)
+        if tasks <= 1:
+            return _tail(self.log_paths()[1], lines)
+        return "\n".join(f"[task {i}: {self.job.task(i).paths.stderr}]\n{_tail(self.job.task(i).paths.stderr, lines)}"
+                         for i in range(tasks))
+
+
+def _tail(path, lines: int) -> str:
+    path = Path(path)
+    if not path.is_file():
+        return "(no stderr file)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 class LocalExecutor:
@@ -110,14 +129,14 @@ class LocalExecutor:
         self.run = run
         self._ex = submitit.LocalExecutor(folder=run.logs / "%j")
 
-    def submit(self, stage: str, iteration: int, after: StageJob | None = None) -> StageJob:
-        self._ex.update_parameters(timeout_min=self.exp.executor.timeout_min,
-                                   tasks_per_node=tasks_for(self.exp, stage))
+    def submit(self, stage: str, iteration: int | None, after: StageJob | None = None) -> StageJob:
+        timeout = self.exp.executor.resident.time_min if stage == "resident" else self.exp.executor.timeout_min
+        self._ex.update_parameters(timeout_min=timeout, tasks_per_node=tasks_for(self.exp, stage))
         # The ranks of a local job meet on a port free now (submitit would derive one from the pid).
         saved = os.environ.get("MASTER_PORT")
         os.environ["MASTER_PORT"] = str(free_port())
         try:
-            job = self._ex.submit(StageCall(stage_module(stage), str(self.run.root), iteration))
+            job = self._ex.submit(_call(self.run, stage, iteration))
         finally:
             if saved is None:
                 del os.environ["MASTER_PORT"]
@@ -136,13 +155,14 @@ class SlurmExecutor:
         self.lookahead = exp.executor.lookahead
         self._ex = submitit.SlurmExecutor(folder=run.logs / "%j")
 
-    def submit(self, stage: str, iteration: int, after: StageJob | None = None) -> StageJob:
+    def submit(self, stage: str, iteration: int | None, after: StageJob | None = None) -> StageJob:
         params = slurm_parameters(self.exp, stage, self.run.root.name)
-        params["job_name"] += f"-{iteration}"
+        if iteration is not None:
+            params["job_name"] += f"-{iteration}"
         if after is not None:
             params["dependency"] = f"afterok:{after.job_id}"
         self._ex.update_parameters(**params)
-        job = self._ex.submit(StageCall(stage_module(stage), str(self.run.root), iteration))
+        job = self._ex.submit(_call(self.run, stage, iteration))
         return StageJob(job, stage, iteration)
 
 

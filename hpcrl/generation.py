@@ -39,7 +39,7 @@ def configure_env(exp: Experiment, scratch: Path | None = None) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
-def make_engine(exp: Experiment, model_path: Path, seed: int):
+def make_engine(exp: Experiment, model_path: Path, seed: int, worker_extension_cls: str | None = None):
     configure_env(exp)
     from vllm import LLM
 
@@ -47,8 +47,11 @@ def make_engine(exp: Experiment, model_path: Path, seed: int):
     if on_gpu():
         kwargs["gpu_memory_utilization"] = exp.generate.gpu_memory_utilization
         kwargs["tensor_parallel_size"] = exp.generate.tensor_parallel_size
+        kwargs["enable_sleep_mode"] = exp.executor.colocate
     else:  # explicit KV cache size (unset, vLLM takes most of the node's memory; see FACTS.md)
         kwargs["kv_cache_memory_bytes"] = int(exp.generate.kv_cache_gib * (1 << 30))
+    if worker_extension_cls:
+        kwargs["worker_extension_cls"] = worker_extension_cls
     return LLM(
         model=str(model_path),
         tokenizer=exp.tokenizer_path,

@@ -8,8 +8,10 @@
       logs/                   one folder per stage job
 
 Policy version 0 is the configured base model; version v > 0 is written, with the DeepSpeed
-state that produced it, by the update stage of iteration v - 1 and committed with it, so a policy
-version exists exactly when the update that made it is committed.
+state that produced it, by the update stage of iteration v - 1 and committed with it. The staged
+mode saves every version; the resident mode saves every `executor.checkpoint_every`-th (and the
+last), so there a committed update may hold no `policy/`. A run continues from its latest saved
+version: stages committed after it are moved aside (`rollback`), never overwritten.
 """
 
 from __future__ import annotations
@@ -68,8 +70,41 @@ class RunDir:
         """DeepSpeed state that produced `version` (None for the base model)."""
         return None if version == 0 else self.stage_dir(version - 1, "update") / "trainer"
 
-    def publish_policy(self, version: int) -> Path:
-        """Make policy/vNNNNNN point at a committed version (derived state, idempotent)."""
+    def has_policy(self, version: int) -> bool:
+        """Whether the weights of `version` were saved (always for 0, the base model)."""
+        return version == 0 or (self.policy_dir(version, "") / "config.json").is_file() and (
+            self.stage_dir(version - 1, "update") / "_COMMIT.json").is_file()
+
+    def latest_saved_version(self) -> int:
+        """The highest policy version whose weights and trainer state are committed."""
+        versions = [k + 1 for k in self.iterations_present() if self.has_policy(k + 1)]
+        return max(versions, default=0)
+
+    def rollback(self) -> list[Path]:
+        """Move aside every committed stage that depends on a policy version that was not saved
+        (a resident run that stopped between checkpoints), so the run continues from the latest
+        saved version. Returns the moved directories' new paths."""
+        v = self.latest_saved_version()
+        moved = []
+        stamp = _stamp()
+        for k in self.iterations_present():
+            if k > v:
+                targets = [self.iteration_dir(k)]
+            elif k == v:
+                targets = [self.stage_dir(k, "update")]
+            else:
+                continue
+            for d in targets:
+                if d.exists():
+                    dest = d.with_name(f"{d.name}.rolled-back-{stamp}")
+                    d.rename(dest)
+                    moved.append(dest)
+        return moved
+
+    def publish_policy(self, version: int) -> Path | None:
+        """Make policy/vNNNNNN point at a saved version (derived state, idempotent)."""
+        if not self.has_policy(version):
+            return None
         link = self.root / "policy" / f"v{version:06d}"
         link.parent.mkdir(exist_ok=True)
         target = os.path.relpath(self.policy_dir(version, ""), link.parent)
@@ -109,6 +144,12 @@ class RunDir:
             except ValueError:
                 continue
         return sorted(found)
+
+
+def _stamp() -> str:
+    import time
+
+    return time.strftime("%Y%m%dT%H%M%S")
 
 
 class RunLock:

@@ -24,10 +24,20 @@ Named = tuple[str, torch.Tensor]
 
 
 def make_group(host: str, port: int, rank: int, world_size: int, timeout_s: float = 300):
-    """A gloo process group of its own (rank 0 sends), independent of any default group."""
+    """A gloo process group of its own (rank 0 sends and hosts the store); returns (group, store)."""
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+    return group_on(store, rank, world_size, timeout_s), store
+
+
+def group_on(store, rank: int, world_size: int, timeout_s: float = 300, backend: str = "gloo"):
+    """The weight-sync group over an existing store: gloo, or NCCL for CUDA tensors."""
     prefixed = dist.PrefixStore("hpcrl-weights", store)
-    return dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=timeout_s)), store
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+    return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
 
 
 def _buckets(tensors: list[Named], bucket_bytes: int) -> list[list[Named]]:
@@ -45,27 +55,27 @@ def _buckets(tensors: list[Named], bucket_bytes: int) -> list[list[Named]]:
     return out
 
 
-def _broadcast_bytes(pg, payload: bytes | None, rank: int) -> bytes:
-    length = torch.tensor([len(payload) if rank == 0 else 0], dtype=torch.int64)
+def _broadcast_bytes(pg, payload: bytes | None, rank: int, device: str = "cpu") -> bytes:
+    length = torch.tensor([len(payload) if rank == 0 else 0], dtype=torch.int64, device=device)
     pg.broadcast(length, 0).wait()
-    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if rank == 0 else torch.empty(
-        int(length.item()), dtype=torch.uint8)
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device) if rank == 0 else torch.empty(
+        int(length.item()), dtype=torch.uint8, device=device)
     pg.broadcast(buf, 0).wait()
-    return bytes(buf.numpy())
+    return bytes(buf.cpu().numpy())
 
 
 class ProcessGroupSync:
     """Broadcast of named tensors from rank 0 to every other rank of `pg`."""
 
-    def __init__(self, pg, rank: int, bucket_bytes: int = 64 << 20):
-        self.pg, self.rank, self.bucket_bytes = pg, rank, bucket_bytes
+    def __init__(self, pg, rank: int, bucket_bytes: int = 64 << 20, device: str = "cpu"):
+        self.pg, self.rank, self.bucket_bytes, self.device = pg, rank, bucket_bytes, device
 
     def send(self, tensors: Iterable[Named]) -> int:
         """Rank 0: send all tensors; returns the bytes sent."""
         tensors = [(n, t.detach().contiguous()) for n, t in tensors]
         buckets = _buckets(tensors, self.bucket_bytes)
         header = [[(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in b] for b in buckets]
-        _broadcast_bytes(self.pg, json.dumps(header).encode(), self.rank)
+        _broadcast_bytes(self.pg, json.dumps(header).encode(), self.rank, self.device)
         sent = 0
         for bucket in buckets:
             flat = bucket[0][1].reshape(-1) if len(bucket) == 1 else torch.cat([t.reshape(-1) for _, t in bucket])
@@ -75,11 +85,11 @@ class ProcessGroupSync:
 
     def receive(self) -> Iterator[Named]:
         """Other ranks: the tensors, in the sender's order."""
-        header = json.loads(_broadcast_bytes(self.pg, None, self.rank))
+        header = json.loads(_broadcast_bytes(self.pg, None, self.rank, self.device))
         for bucket in header:
             dtype = getattr(torch, bucket[0][1])
             sizes = [int(torch.Size(shape).numel()) for _, _, shape in bucket]
-            flat = torch.empty(sum(sizes), dtype=dtype)
+            flat = torch.empty(sum(sizes), dtype=dtype, device=self.device)
             self.pg.broadcast(flat, 0).wait()
             offset = 0
             for (name, _, shape), n in zip(bucket, sizes, strict=True):
@@ -107,3 +117,45 @@ class FilesystemSync:
         from safetensors.torch import load_file
 
         yield from load_file(str(self.dir / "weights.safetensors")).items()
+
+
+class WeightSyncError(RuntimeError):
+    """The generator's weights do not match the trainer's after a sync."""
+
+
+def probe_tolerance(exp) -> float:
+    """Largest accepted mean |logprob difference| on the probe batch (config, else by dtype)."""
+    if exp.executor.sync_check_tol:
+        return exp.executor.sync_check_tol
+    return 1e-4 if exp.model.dtype == "float32" else 2e-2
+
+
+def _mean_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    flat_a = torch.tensor([x for row in a for x in row], dtype=torch.float64)
+    flat_b = torch.tensor([x for row in b for x in row], dtype=torch.float64)
+    if flat_a.shape != flat_b.shape:
+        raise WeightSyncError(f"probe logprobs differ in shape: {tuple(flat_a.shape)} vs {tuple(flat_b.shape)}")
+    return float((flat_a - flat_b).abs().mean()) if flat_a.numel() else 0.0
+
+
+def check_probe(engine: list[list[float]], trainer_new: list[list[float]], trainer_old: list[list[float]],
+                tol: float, version: int) -> dict[str, float]:
+    """Compare the generator's probe logprobs with the trainer's after the update (`new`) and
+    before it (`old`). Fails when they differ by more than `tol`, or when the engine is closer
+    to the old weights than to the new ones although the update moved the probe by more than
+    `tol` (a skipped or partial sync). Returns the sync/* metrics."""
+    diff_new = _mean_abs_diff(engine, trainer_new)
+    diff_old = _mean_abs_diff(engine, trainer_old)
+    shift = _mean_abs_diff(trainer_new, trainer_old)
+    metrics = {"sync/logp_diff": diff_new, "sync/logp_diff_prev": diff_old, "sync/update_shift": shift}
+    if diff_new > tol:
+        stale = " (it matches the previous weights: the sync did not happen)" if diff_old < diff_new else ""
+        raise WeightSyncError(f"after loading policy version {version}, vLLM's logprobs on the probe batch differ "
+                              f"from the trainer's by {diff_new:.2e} on average, above the tolerance {tol:.0e} "
+                              f"(executor.sync_check_tol){stale}; stopping rather than training on stale or "
+                              "corrupted weights")
+    if shift > tol and diff_old <= diff_new:
+        raise WeightSyncError(f"after loading policy version {version}, vLLM matches the previous weights "
+                              f"({diff_old:.2e}) at least as well as the new ones ({diff_new:.2e}): the sync did not "
+                              "take effect")
+    return metrics

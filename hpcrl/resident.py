@@ -1,0 +1,229 @@
+"""The resident mode: one job keeps the trainer ranks, the vLLM generator and the reward workers
+up for the whole run, and moves new weights from the trainer to vLLM without a restart.
+
+Task layout (hpcrl.roles.Layout): trainer ranks 0..W-1 hold a live DeepSpeed engine (hpcrl.actor);
+task W holds the vLLM engine and a pool of reward workers, and drives the loop. It walks the same
+plan as the staged controller (hpcrl.plan) and runs each stage through hpcrl.stage.run_stage, so
+a resident run commits exactly the outputs of a staged one and can be resumed, inspected,
+replayed, or continued in the other mode.
+
+For the update of iteration k the generator sends a command; the trainers run the update and
+commit it (with the policy and trainer state every `executor.checkpoint_every` updates); trainer
+0 then streams the weights, which the generator's vLLM workers load in place (hpcrl.vllm_ext),
+or, with `weight_sync = "filesystem"`, writes them for vLLM to reload. Then both sides compute
+logprobs of a fixed probe batch: a mismatch stops the run (hpcrl.weight_sync.check_probe).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+import submitit
+
+from hpcrl import plan, weight_sync
+from hpcrl.config import Experiment
+from hpcrl.roles import HEARTBEAT_S, ControlPlane, Layout
+from hpcrl.rundir import RunDir
+from hpcrl.stage import run_stage
+
+PROBE_PROMPTS = 4
+
+
+def checkpoint_due(exp: Experiment, iteration: int) -> bool:
+    """Whether the update of `iteration` saves the policy and trainer state."""
+    return (iteration + 1) % exp.executor.checkpoint_every == 0 or iteration + 1 == exp.run.iterations
+
+
+def probe_sequences(exp: Experiment, tokenizer) -> list[list[int]]:
+    """Fixed token sequences (the first training prompts and their answers) both sides score."""
+    from hpcrl import data
+
+    prompts = data.load_prompts(exp.data.train, exp.data.prompt_key, exp.data.answer_key)
+    out = []
+    for i in range(min(PROBE_PROMPTS, prompts.num_rows)):
+        text = data.render(tokenizer, prompts["prompt"][i].as_py()) + str(prompts["ground_truth"][i].as_py())
+        out.append(tokenizer(text)["input_ids"][: exp.model.max_model_len])
+    return out
+
+
+def _backend() -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+class ResidentCall(submitit.helpers.Checkpointable):
+    """Every task of the resident job runs this; its global rank decides its role. Requeued
+    (preemption, time limit), the job continues from the run directory."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+
+    def __call__(self) -> None:
+        from hpcrl import distributed, runs
+
+        distributed.export_env()
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        run, exp = runs.open_run(self.run_dir)
+        layout = Layout(exp.update.world_size)
+        if world != layout.world_size:
+            raise RuntimeError(f"the resident job has {world} tasks; update.world_size = {exp.update.world_size} "
+                               f"needs {layout.world_size} (trainers + 1 generator)")
+        plane = ControlPlane(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, layout,
+                             exp.executor.stall_s, exp.executor.collective_timeout_s)
+        plane.start_monitor()
+        role, role_rank = layout.role(rank)
+        try:
+            if role == "trainer":
+                Trainer(run, exp, plane, role_rank).serve()
+            else:
+                Generator(run, exp, plane).drive()
+        except BaseException as err:
+            plane.fail(f"{type(err).__name__}: {err}".splitlines()[0] + f" (on {os.uname().nodename})")
+            traceback.print_exc()
+            time.sleep(2 * HEARTBEAT_S)  # the other tasks' monitors read the flag before rank 0's store goes
+            raise
+
+
+class Trainer:
+    """A trainer rank: waits for update commands, updates, commits, and streams the weights."""
+
+    def __init__(self, run: RunDir, exp: Experiment, plane: ControlPlane, rank: int):
+        import torch
+        import torch.distributed as dist
+
+        from hpcrl.actor import Actor
+
+        self.run, self.exp, self.plane, self.rank = run, exp, plane, rank
+        world = exp.update.world_size
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(_backend(), store=dist.PrefixStore("trainers", plane.store), rank=rank,
+                                world_size=world)
+        self.version = run.latest_saved_version()
+        self.actor = Actor.for_version(exp, run, self.version, rank, world)
+        self.sender = None
+        if rank == 0 and exp.executor.weight_sync == "process_group":
+            pg = weight_sync.group_on(plane.store, 0, 2, exp.executor.collective_timeout_s, _backend())
+            device = str(self.actor.engine.device) if _backend() == "nccl" else "cpu"
+            self.sender = weight_sync.ProcessGroupSync(pg, 0, int(exp.executor.sync_bucket_mb * (1 << 20)), device)
+
+    def serve(self) -> None:
+        import torch.distributed as dist
+
+        while True:
+            cmd = self.plane.receive()
+            if cmd["op"] == "stop":
+                break
+            self._update(cmd["iteration"], cmd["checkpoint"], cmd["probe"])
+        dist.destroy_process_group()
+
+    def _update(self, k: int, checkpoint: bool, probe: list[list[int]]) -> None:
+        old = self.actor.sequence_logprobs(probe)
+
+        def body(ctx):
+            self.actor.update(ctx)
+            if checkpoint:
+                self.actor.save(ctx)
+
+        run_stage("update", self.run.root, k, body, self.rank, self.exp.update.world_size, startup=0.0)
+        new = self.actor.sequence_logprobs(probe)
+        t0 = time.perf_counter()
+        reply = {"probe_old": old, "probe_new": new}
+        if self.exp.executor.weight_sync == "process_group":
+            with self.actor.full_parameters() as params:
+                if self.sender is not None:
+                    reply["bytes"] = self.sender.send(params)
+        else:
+            from hpcrl import trainer
+
+            path = self.run.root / "resident" / "weights"
+            trainer.save_policy(self.actor.engine, self.exp, path, self.rank)
+            reply["path"] = str(path)
+        reply["send_s"] = time.perf_counter() - t0
+        if self.rank == 0:
+            self.plane.reply(reply)
+
+
+class Generator:
+    """The generator task: vLLM engine, reward pool, and the loop over the run's stages."""
+
+    def __init__(self, run: RunDir, exp: Experiment, plane: ControlPlane):
+        from hpcrl import generation
+
+        self.run, self.exp, self.plane = run, exp, plane
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(key, None)  # vLLM sets up its own (single-process) distributed state
+        generation.configure_env(exp)
+        self.version = run.latest_saved_version()
+        self.llm = generation.make_engine(exp, run.policy_dir(self.version, exp.model.path), exp.run.seed,
+                                          worker_extension_cls="hpcrl.vllm_ext.WeightReceiver")
+        if exp.executor.weight_sync == "process_group":
+            self.llm.collective_rpc("hpcrl_join_sync", args=(
+                plane.host, plane.port, 1, 2, exp.executor.collective_timeout_s,
+                int(exp.executor.sync_bucket_mb * (1 << 20)), _backend()))
+        self.pool = None
+        if exp.reward.workers:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            self.pool = ProcessPoolExecutor(exp.reward.workers, mp_context=multiprocessing.get_context("spawn"))
+        self.probe = probe_sequences(exp, self.llm.get_tokenizer())
+        self.sync_metrics: dict[str, float] = {}
+
+    def drive(self) -> None:
+        from hpcrl import generation, scoring
+
+        try:
+            while (nxt := plan.next_stage(self.run, self.exp)) is not None:
+                k, stage = nxt
+                if stage == "generate":
+                    def body(ctx):
+                        generation.generate(ctx, self.llm, self.version)
+                        ctx.writer.metrics.update(self.sync_metrics)
+                    run_stage("generate", self.run.root, k, body, startup=0.0)
+                elif stage == "score":
+                    run_stage("score", self.run.root, k, lambda ctx: scoring.score_stage(ctx, self.pool),
+                              startup=0.0)
+                else:
+                    self._update(k)
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(cancel_futures=True)
+        self.plane.send({"op": "stop"})
+        self.plane.stop_monitor()
+
+    def _update(self, k: int) -> None:
+        colocate = self.exp.executor.colocate and _backend() == "nccl"
+        if colocate:  # free vLLM's GPU memory (weights and KV cache) for the update
+            self.llm.sleep(level=2)
+        seq = self.plane.send({"op": "update", "iteration": k, "checkpoint": checkpoint_due(self.exp, k),
+                               "probe": self.probe})
+        t0 = time.perf_counter()
+        if colocate:
+            self.llm.wake_up(tags=["weights"])
+        if self.exp.executor.weight_sync == "process_group":
+            received = self.llm.collective_rpc("hpcrl_receive_weights")[0]
+            reply = self.plane.wait_reply(seq)
+        else:
+            reply = self.plane.wait_reply(seq)
+            t0 = time.perf_counter()
+            received = self.llm.collective_rpc("hpcrl_reload_from", args=(reply["path"],))[0]
+            received["bytes"] = sum(f.stat().st_size for f in (self.run.root / "resident" / "weights").glob(
+                "*.safetensors"))
+        if colocate:
+            self.llm.wake_up(tags=["kv_cache"])
+        self.llm.reset_prefix_cache()
+        self.version = k + 1
+        load_s = time.perf_counter() - t0
+        from hpcrl import generation
+
+        engine_lp = generation.sequence_logprobs(self.llm, self.probe)
+        metrics = weight_sync.check_probe(engine_lp, reply["probe_new"], reply["probe_old"],
+                                          weight_sync.probe_tolerance(self.exp), version=self.version)
+        nbytes = float(received.get("bytes") or reply.get("bytes") or 0)
+        self.sync_metrics = {**metrics, "sync/seconds": load_s, "sync/bytes": nbytes,
+                             "sync/gb_per_s": nbytes / max(load_s, 1e-9) / 1e9}
