@@ -1,4 +1,5 @@
-"""Score stage: apply the configured reward functions to the iteration's rollouts.
+"""Score stage: apply the configured reward sources (functions, reward model, HTTP service) to the
+iteration's rollouts. A source that fails raises, and nothing is committed.
 
     python -m stages.score --run-dir R --iteration K
 """
@@ -16,10 +17,10 @@ def body(ctx: StageContext) -> None:
     with ctx.timed("io"):
         rollouts = commit.read_table(gen, "rollouts", columns=scoring.INPUT_COLUMNS)
     with ctx.timed("load"):
-        fns, weights = scoring.load_functions(ctx.exp.reward)
+        sources, weights = scoring.load_sources(ctx.exp.reward)
     with ctx.timed("compute"):
         r = ctx.exp.reward
-        scores = scoring.score(rollouts, fns, weights, r.overlong_buffer, r.overlong_penalty_factor,
+        scores = scoring.score(rollouts, sources, weights, r.overlong_buffer, r.overlong_penalty_factor,
                                ctx.exp.generate.max_tokens)
     with ctx.timed("io"):
         ctx.writer.write_table("scores", scores)
