@@ -31,6 +31,7 @@ from hpcrl.rewards import Output
 if TYPE_CHECKING:
     import httpx
     import torch
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -51,7 +52,7 @@ def _excerpt(text: str, limit: int = 200) -> str:
 # ---------------------------------------------------------------- reward model
 
 
-def inspect_model(path: str):
+def inspect_model(path: str) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
     """The config and tokenizer of a reward model directory, checked without loading its weights."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -79,7 +80,7 @@ def inspect_model(path: str):
     return cfg, tok
 
 
-def pad_token_id(cfg, tok) -> int | None:
+def pad_token_id(cfg: PretrainedConfig, tok: PreTrainedTokenizerBase) -> int | None:
     """The id the model treats as padding (its config's), else the tokenizer's pad token."""
     configured = getattr(cfg.get_text_config(), "pad_token_id", None)
     return configured if configured is not None else tok.pad_token_id
@@ -111,14 +112,17 @@ def pad_batch(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
 class RewardModel:
     """An HF sequence-classification model (num_labels = 1), loaded once: a sample's score is its
     logit on `prompt + response` (the prompt as the policy saw it), tokenized as one text and cut
-    to the last `max_length` tokens. Samples are scored in batches of similar length."""
+    to its last `max_length` tokens (at most the model's max_position_embeddings). Samples are
+    scored in batches of similar length."""
 
     def __init__(self, cfg: RewardModelConfig):
         import torch
         from transformers import AutoModelForSequenceClassification
 
         model_cfg, self.tokenizer = inspect_model(cfg.path)
-        self.path, self.batch_size, self.max_length = cfg.path, cfg.batch_size, cfg.max_length
+        self.path, self.batch_size = cfg.path, cfg.batch_size
+        positions = getattr(model_cfg.get_text_config(), "max_position_embeddings", None)
+        self.max_length = min(cfg.max_length, positions or cfg.max_length)
         self.device = resolve_device(cfg.device)
         dtype = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
         try:
@@ -133,6 +137,8 @@ class RewardModel:
     def __call__(self, samples: list[dict]) -> list[Output]:
         import torch
 
+        if not samples:
+            return []
         texts = [(s["prompt"] or "") + (s["response"] or "") for s in samples]
         ids = self.tokenizer(texts, truncation=True, max_length=self.max_length)["input_ids"]
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))

@@ -67,6 +67,7 @@ def test_reward_model_scores_equal_a_direct_forward_pass(classifier):
     got = rm(_samples())
     assert got == pytest.approx(_direct(classifier, [PROMPT + r for r in RESPONSES]), abs=1e-5)
     assert len(set(got)) == len(got)  # the responses are told apart
+    assert rm([]) == []
 
 
 def test_reward_model_cuts_long_samples_from_the_start(classifier):
