@@ -11,6 +11,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -79,12 +80,47 @@ class GenerateConfig(Section):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size.")
 
 
+class RewardModelConfig(Section):
+    path: PathStr = Field("", description="HF sequence-classification reward model (num_labels = 1) scoring prompt + response as component `model`; empty: none.")
+    weight: float = Field(1.0, description="Weight of the reward model's score in the reward.")
+    batch_size: int = Field(16, ge=1, description="Samples per forward pass of the reward model.")
+    max_length: int = Field(1024, ge=8, description="Longest prompt + response in reward-model tokens; longer samples lose tokens from the start.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the reward model runs; auto: cuda when the score job sees a GPU, else cpu.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Reward model weights dtype; auto: as saved.")
+
+
+class RewardHttpConfig(Section):
+    url: str = Field("", description="Reward service that scores batches of samples as component `http` (README: HTTP reward protocol); empty: none.")
+    weight: float = Field(1.0, description="Weight of the service's score in the reward.")
+    batch_size: int = Field(32, ge=1, description="Samples per request.")
+    concurrency: int = Field(4, ge=1, description="Requests in flight at once.")
+    timeout_s: float = Field(60.0, gt=0, description="Seconds to connect, and to wait for a response, per request.")
+    retries: int = Field(3, ge=0, description="Retries of a request that could not connect, timed out or got HTTP 408, 429, 500, 502, 503 or 504; then the score stage fails.")
+    backoff_s: float = Field(1.0, ge=0, description="Wait before the first retry in seconds; doubled for each further retry.")
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not v:
+            return v
+        parts = urlsplit(v)
+        try:
+            parts.port  # noqa: B018 -- raises ValueError on a port that is not a number in range
+        except ValueError:
+            raise ValueError("expected an http:// or https:// URL with a valid port") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("expected an http:// or https:// URL with a host, e.g. http://rm-node:8000/score")
+        return v
+
+
 class RewardConfig(Section):
-    functions: list[str] = Field(["hpcrl.rewards:exact_match"], min_length=1, description="Reward functions as `module:function`; the reward is their weighted sum.")
+    functions: list[str] = Field(["hpcrl.rewards:exact_match"], description="Reward functions as `module:function`; the reward is the weighted sum of these and the reward model and service below.")
     weights: list[float] = Field([], description="One weight per function; empty means all 1.")
     overlong_buffer: int = Field(0, ge=0, description="DAPO overlong penalty: training responses longer than generate.max_tokens minus this many tokens lose reward linearly (0: off).")
     overlong_penalty_factor: float = Field(1.0, ge=0, description="Penalty at generate.max_tokens for the overlong penalty.")
     workers: int = Field(0, ge=0, description="Reward worker processes (0: score in the stage's own process).")
+    model: RewardModelConfig = Field(RewardModelConfig(), description="Reward model backend (hpcrl/reward_backends.py).")
+    http: RewardHttpConfig = Field(RewardHttpConfig(), description="HTTP reward service backend (hpcrl/reward_backends.py).")
 
 
 class UpdateConfig(Section):
@@ -207,14 +243,20 @@ def parse(data: dict[str, Any], source: str, base_dir: Path) -> Experiment:
             raise ConfigError(f"{source}: executor.resident.nodes: the resident job's {n} tasks (update.world_size "
                               f"= {exp.update.world_size} trainers + 1 generator) must spread evenly over "
                               f"{exp.executor.resident.nodes} nodes")
+    if not (exp.reward.functions or exp.reward.model.path or exp.reward.http.url):
+        raise ConfigError(f"{source}: reward: no reward source: expected reward.functions, reward.model.path "
+                          "or reward.http.url")
     if exp.reward.weights and len(exp.reward.weights) != len(exp.reward.functions):
         raise ConfigError(f"{source}: reward.weights: expected {len(exp.reward.functions)} weights "
                           f"(one per reward.functions entry), got {len(exp.reward.weights)}")
     for key in PATH_KEYS:
-        section, name = key.split(".")
-        value = getattr(getattr(exp, section), name)
+        *sections, name = key.split(".")
+        owner = exp
+        for section in sections:
+            owner = getattr(owner, section)
+        value = getattr(owner, name)
         if value and not Path(value).is_absolute():
-            setattr(getattr(exp, section), name, str((base_dir / value).resolve()))
+            setattr(owner, name, str((base_dir / value).resolve()))
     return exp
 
 

@@ -1,4 +1,4 @@
-"""Checks before any job starts: the model, the tokenizer, the data, the reward functions and the
+"""Checks before any job starts: the model, the tokenizer, the data, the reward sources and the
 batch shape of an experiment. Every problem is reported at once with the config file, the key
 and what was expected, so no compute is spent on a run that cannot work.
 """
@@ -69,12 +69,27 @@ def _check_data(exp: Experiment, tok) -> list[str]:
 
 
 def _check_rewards(exp: Experiment) -> list[str]:
+    """Reward functions import; a reward model's directory holds a one-label sequence classifier
+    and a tokenizer (its weights are not loaded here). The HTTP service's URL is checked for form
+    when the config loads, not for reachability: the service may answer only from compute nodes,
+    or not be up yet."""
     problems = []
     for name in exp.reward.functions:
         try:
             rewards.load(name)
         except rewards.RewardLoadError as err:
             problems.append(f"reward.functions: {err}")
+    model = exp.reward.model
+    if model.path:
+        from hpcrl import reward_backends
+
+        try:
+            reward_backends.inspect_model(model.path)
+        except reward_backends.RewardBackendError as err:
+            problems.append(f"reward.model.path: {err}")
+        if model.device == "cuda" and exp.executor.kind == "slurm" and not exp.executor.score.gpus_per_node:
+            problems.append("reward.model.device: 'cuda' but executor.score.gpus_per_node = 0 gives the score job "
+                            "no GPU")
     return problems
 
 

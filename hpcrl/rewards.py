@@ -1,8 +1,13 @@
-"""Reward functions: the built-ins and the loader for `module:function` names from the config.
+"""Reward functions: the built-ins, the loader for `module:function` names from the config, and
+`merge`, the one place where the outputs of reward sources become a weighted reward.
 
 A reward function takes one sample, `fn(response, ground_truth, *, data_source, prompt)`, and
 returns a float or a dict with a float `score`, optional float components and an optional
 string `message` (a verifier's explanation). Pure functions: no I/O, no global state.
+
+A reward source (a function, the reward model, the HTTP service of hpcrl/reward_backends.py)
+scores a batch: it takes a list of samples, dicts with `prompt`, `response`, `ground_truth`
+and `data_source`, and returns one output per sample in the same shape as a reward function's.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-RewardFn = Callable[..., "float | dict"]
+Output = float | dict
+RewardFn = Callable[..., Output]
+Source = Callable[[list[dict]], list[Output]]
 
 
 def exact_match(response: str, ground_truth: str, **_) -> dict:
@@ -84,12 +91,20 @@ def load(name: str) -> RewardFn:
     return fn
 
 
-def combine(fns: dict[str, RewardFn], weights: dict[str, float], response: str, ground_truth: str,
-            **info) -> Scored:
-    """Weighted sum of the named reward functions, with every component kept under `<name>/<key>`."""
+def per_sample(fn: RewardFn) -> Source:
+    """A reward function as a reward source: called on each sample of the batch in turn."""
+    def source(samples: list[dict]) -> list[Output]:
+        return [fn(s["response"], s["ground_truth"], data_source=s["data_source"], prompt=s["prompt"])
+                for s in samples]
+
+    return source
+
+
+def merge(outputs: dict[str, Output], weights: dict[str, float]) -> Scored:
+    """Weighted sum of one sample's outputs by source name, with every component kept under
+    `<name>` (its score) and `<name>/<key>` (its other components)."""
     total, components, messages = 0.0, {}, []
-    for name, fn in fns.items():
-        out = fn(response, ground_truth, **info)
+    for name, out in outputs.items():
         if not isinstance(out, dict):
             out = {"score": out}
         score = float(out["score"])

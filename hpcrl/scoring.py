@@ -1,12 +1,16 @@
-"""Scoring rollouts: apply reward functions to a rollouts table and summarise the rewards.
+"""Scoring rollouts: apply the reward sources to a rollouts table and summarise the rewards.
 
-Pure table-in, table-out; `score_stage` is the body of the score stage (hpcrl.stage commits it),
-optionally spread over a pool of reward worker processes that the resident mode keeps alive.
+Pure table-in, table-out; the score stage commits the result. The sources of a config are its
+reward functions (named `module:function`), the reward model (`model`) and the HTTP service
+(`http`); each scores every sample and rewards.merge weighs their outputs into the reward.
 """
 
 from __future__ import annotations
 
+import re
+
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from hpcrl import rewards
 from hpcrl.config import RewardConfig
@@ -16,21 +20,39 @@ INPUT_COLUMNS = [*SAMPLE_KEYS, "data_source", "prompt_text", "ground_truth", "re
                  "finish_reason"]
 
 
-def load_functions(cfg: RewardConfig) -> tuple[dict[str, rewards.RewardFn], dict[str, float]]:
-    fns = {name: rewards.load(name) for name in cfg.functions}
+def load_sources(cfg: RewardConfig) -> tuple[dict[str, rewards.Source], dict[str, float]]:
+    """The reward sources of a config by component name, and their weights; loads the reward model."""
+    from hpcrl import reward_backends
+
+    sources = {name: rewards.per_sample(rewards.load(name)) for name in cfg.functions}
     weights = dict(zip(cfg.functions, cfg.weights or [1.0] * len(cfg.functions), strict=True))
-    return fns, weights
+    if cfg.model.path:
+        sources["model"], weights["model"] = reward_backends.RewardModel(cfg.model), cfg.model.weight
+    if cfg.http.url:
+        sources["http"], weights["http"] = reward_backends.HttpReward.from_config(cfg.http), cfg.http.weight
+    return sources, weights
 
 
-def score(rollouts: pa.Table, fns: dict[str, rewards.RewardFn], weights: dict[str, float],
+def samples(rows: list[dict]) -> list[dict]:
+    """Rollout rows as the samples reward sources score (the HTTP protocol's sample objects)."""
+    return [{"prompt": r["prompt_text"], "response": r["response_text"], "ground_truth": r["ground_truth"],
+             "data_source": r["data_source"]} for r in rows]
+
+
+def score(rollouts: pa.Table, sources: dict[str, rewards.Source], weights: dict[str, float],
           overlong_buffer: int = 0, overlong_factor: float = 1.0, max_tokens: int = 0) -> pa.Table:
     """Rewards per sample. Every sample records `truncated` (it hit the length limit); with an
     overlong buffer, training samples also get the `overlong` penalty added to their reward."""
     rows = rollouts.select(INPUT_COLUMNS).to_pylist()
+    batch = samples(rows)
+    outputs = {}
+    for name, source in sources.items():
+        outputs[name] = source(batch)
+        if len(outputs[name]) != len(batch):
+            raise ValueError(f"reward source {name!r} returned {len(outputs[name])} outputs for {len(batch)} samples")
     out_reward, out_components, out_message = [], [], []
-    for r in rows:
-        s = rewards.combine(fns, weights, r["response_text"], r["ground_truth"], data_source=r["data_source"],
-                            prompt=r["prompt_text"])
+    for i, r in enumerate(rows):
+        s = rewards.merge({name: out[i] for name, out in outputs.items()}, weights)
         components = {**s.components, "truncated": float(r["finish_reason"] == "length")}
         reward = s.reward
         if overlong_buffer and r["split"] == "train":
@@ -48,8 +70,28 @@ def score(rollouts: pa.Table, fns: dict[str, rewards.RewardFn], weights: dict[st
     })
 
 
+def metric_name(component: str) -> str:
+    """A component name as a metric name MLflow accepts: each '/'-part non-empty, other characters '_'."""
+    parts = [re.sub(r"[^\w.\-:]", "_", p) for p in component.split("/")]
+    return "/".join(p if p.strip(".") else "_" for p in parts)
+
+
+def component_means(scores: pa.Table) -> dict[str, float]:
+    """`reward/<component>/mean` over the training samples that carry the component."""
+    train = scores.filter(pc.equal(scores["split"], "train"))
+    if not train.num_rows:
+        return {}
+    maps = train["reward_components"].combine_chunks()
+    start, end = maps.offsets[0].as_py(), maps.offsets[-1].as_py()  # the entries of these rows
+    means = (pa.table({"key": maps.keys.slice(start, end - start), "value": maps.items.slice(start, end - start)})
+             .group_by("key", use_threads=False).aggregate([("value", "mean")]).sort_by("key"))
+    return {f"reward/{metric_name(k)}/mean": float(v)
+            for k, v in zip(means["key"].to_pylist(), means["value_mean"].to_pylist(), strict=True)}
+
+
 def metrics(rollouts: pa.Table, scores: pa.Table) -> dict[str, float]:
-    """verl-style reward metrics: critic/score/* for training samples, val/score for validation."""
+    """verl-style reward metrics: critic/score/* for training samples, val/score for validation, and the
+    mean of each reward component over the training samples."""
     import polars as pl
 
     df = pl.from_arrow(scores.select(["split", "reward"])).with_columns(
@@ -64,11 +106,13 @@ def metrics(rollouts: pa.Table, scores: pa.Table) -> dict[str, float]:
         out["val/score"] = val["reward"].mean()
         for source, group in val.group_by("data_source"):
             out[f"val/score/{source[0]}"] = group["reward"].mean()
+    out.update(component_means(scores))
     return {k: float(v) for k, v in out.items()}
 
 
 def score_stage(ctx, pool=None) -> None:
-    """The score stage of ctx.iteration: rewards of its rollouts, on `pool` (an Executor) if given."""
+    """The score stage of ctx.iteration; the reward functions run on `pool` (an Executor of
+    reward worker processes, kept by the resident mode) when given."""
     from hpcrl import commit
 
     gen = ctx.input_dir("generate")
@@ -76,18 +120,31 @@ def score_stage(ctx, pool=None) -> None:
     with ctx.timed("io"):
         rollouts = commit.read_table(gen, "rollouts", columns=INPUT_COLUMNS)
     with ctx.timed("load"):
-        fns, weights = load_functions(ctx.exp.reward)
+        sources, weights = load_sources(ctx.exp.reward)
+        if pool is not None:
+            sources.update({name: PooledFunction(name, pool) for name in ctx.exp.reward.functions})
     with ctx.timed("compute"):
         r = ctx.exp.reward
-        args = (fns, weights, r.overlong_buffer, r.overlong_penalty_factor, ctx.exp.generate.max_tokens)
-        if pool is None or rollouts.num_rows < 2 * POOL_CHUNK:
-            scores = score(rollouts, *args)
-        else:
-            chunks = [rollouts.slice(i, POOL_CHUNK) for i in range(0, rollouts.num_rows, POOL_CHUNK)]
-            scores = pa.concat_tables(pool.map(score, chunks, *([a] * len(chunks) for a in args)))
+        scores = score(rollouts, sources, weights, r.overlong_buffer, r.overlong_penalty_factor,
+                       ctx.exp.generate.max_tokens)
     with ctx.timed("io"):
         ctx.writer.write_table("scores", scores)
     ctx.writer.metrics.update(metrics(rollouts, scores))
 
 
-POOL_CHUNK = 256  # rows per task sent to a reward worker
+POOL_CHUNK = 256  # samples per task sent to a reward worker
+
+
+class PooledFunction:
+    """A reward function applied by a pool of worker processes, in chunks of POOL_CHUNK samples."""
+
+    def __init__(self, name: str, pool):
+        self.name, self.pool = name, pool
+
+    def __call__(self, batch: list[dict]) -> list:
+        chunks = [batch[i: i + POOL_CHUNK] for i in range(0, len(batch), POOL_CHUNK)]
+        return [out for part in self.pool.map(_apply_function, [self.name] * len(chunks), chunks) for out in part]
+
+
+def _apply_function(name: str, batch: list[dict]) -> list:
+    return rewards.per_sample(rewards.load(name))(batch)

@@ -1,4 +1,5 @@
-"""Score stage: apply the configured reward functions to the iteration's rollouts.
+"""Score stage: apply the configured reward sources (functions, reward model, HTTP service) to the
+iteration's rollouts. A source that fails raises, and nothing is committed.
 
     python -m stages.score --run-dir R --iteration K
 """

@@ -33,7 +33,7 @@ def _rollouts():
 
 
 def test_score_records_truncation_and_applies_the_overlong_penalty_to_training_samples_only():
-    fns, weights = {"exact": rewards.exact_match}, {"exact": 1.0}
+    fns, weights = {"exact": rewards.per_sample(rewards.exact_match)}, {"exact": 1.0}
     table = scoring.score(_rollouts(), fns, weights, overlong_buffer=4, overlong_factor=1.0, max_tokens=8)
     got = table.to_pylist()
     comps = [dict(r["reward_components"]) for r in got]
