@@ -48,10 +48,12 @@ def _prepare(experiment: Path):
 
     try:
         exp = config.load(experiment)
-        preflight.check(exp, str(experiment))
+        notes = preflight.check(exp, str(experiment))
         run, resumed = runs.prepare(exp, str(experiment))
     except ConfigError as err:
         _fail(str(err))
+    for note in notes:
+        click.echo(f"note: {note}", err=True)
     return exp, run, resumed
 
 
@@ -73,7 +75,8 @@ def submit(experiment: Path, foreground: bool, dry_run: bool) -> None:
             paths = sbatch.write_all(run, exp)
         except ConfigError as err:
             _fail(str(err))
-        click.echo(f"wrote {len(paths)} sbatch scripts under {paths[0].parent} (nothing submitted)")
+        click.echo(f"dry run: config, model, tokenizer, data, rewards and batch shape checked; wrote {len(paths)} "
+                   f"sbatch scripts under {paths[0].parent} (nothing submitted)")
         return
     if resumed:
         click.echo(f"resuming the existing run {exp.run.name}")

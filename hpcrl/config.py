@@ -50,11 +50,14 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    train: PathStr = Field(..., description="Training prompts: verl-layout parquet, plain parquet or JSONL.")
+    train: PathStr = Field(..., description="Training prompts: verl-layout parquet, plain parquet, JSONL, or a directory written by datasets' save_to_disk.")
     test: PathStr = Field("", description="Held-out prompts for validation (same formats); empty: no validation.")
+    train_split: str = Field("train", description="Split of data.train when it is a DatasetDict save_to_disk directory.")
+    test_split: str = Field("test", description="Split of data.test when it is a DatasetDict save_to_disk directory.")
     prompt_key: str = Field("prompt", description="Column with the prompt: a chat message list or a string.")
     answer_key: str = Field("reward_model.ground_truth", description="Column (dotted for a struct field) with the reference answer; falls back to `answer`.")
     max_val_prompts: int = Field(0, ge=0, description="Use at most this many test prompts (0: all).")
+    filter_overlong: bool = Field(True, description="Drop prompts longer than model.max_model_len - generate.max_tokens tokens (the count is reported at submit); false: refuse the run instead.")
 
 
 class AlgorithmConfig(Section):

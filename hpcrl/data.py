@@ -1,14 +1,19 @@
-"""Prompt datasets: reading verl-layout parquet, plain parquet and JSONL into one prompt table.
+"""Prompt datasets: reading verl-layout parquet, plain parquet, JSONL and HF `datasets` directories
+into one prompt table, the length filter, rendering, and the draw of each iteration's prompts.
 
 The normalised table has `data_source` (string), `prompt` (the chat message list as JSON, or
-the plain prompt string) and `ground_truth` (string). Rendering to model text and the draw of
-each iteration's prompts live here too. No stage logic.
+the plain prompt string) and `ground_truth` (string). `prompt_set` is what preflight and the
+generate stage both call, so they see the same filtered rows. No stage logic.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -16,12 +21,45 @@ import pyarrow.compute as pc
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
+if TYPE_CHECKING:
+    from hpcrl.config import Experiment
+
+WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".onnx"}
+TOKENIZE_BATCH = 1024
+
 
 class DatasetError(ValueError):
     """A dataset that cannot be used; the message names the file and the column."""
 
 
-def _read_raw(path: Path) -> pa.Table:
+def _hf_split_dir(path: Path, split: str) -> Path:
+    """The directory of one `datasets.Dataset` written by `save_to_disk` (a DatasetDict's split)."""
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        if split not in splits:
+            raise DatasetError(f"{path}: a datasets DatasetDict with the splits {splits}, none named {split!r}; "
+                               "choose one with data.train_split / data.test_split")
+        path = path / split
+    if not (path / "state.json").is_file():
+        raise DatasetError(f"{path}: a directory, but not one written by datasets' save_to_disk "
+                           "(no state.json nor dataset_dict.json)")
+    return path
+
+
+def _read_hf(path: Path) -> pa.Table:
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetError(f"{path}: reading a datasets directory needs the `datasets` package") from None
+    try:
+        return datasets.load_from_disk(str(path)).with_format("arrow")[:]
+    except (OSError, ValueError, pa.ArrowInvalid) as err:
+        raise DatasetError(f"{path}: cannot be read with datasets.load_from_disk: {err}") from None
+
+
+def _read_raw(path: Path, split: str) -> pa.Table:
+    if path.is_dir():
+        return _read_hf(_hf_split_dir(path, split))
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file not found")
     suffix = path.suffix.lower()
@@ -32,7 +70,8 @@ def _read_raw(path: Path) -> pa.Table:
             return pajson.read_json(path)
     except (pa.ArrowInvalid, OSError) as err:
         raise DatasetError(f"{path}: cannot be read as {suffix[1:]}: {err}") from None
-    raise DatasetError(f"{path}: unknown dataset format {suffix!r}; expected .parquet or .jsonl")
+    raise DatasetError(f"{path}: unknown dataset format {suffix!r}; expected .parquet, .jsonl or a datasets "
+                       "save_to_disk directory")
 
 
 def _column(table: pa.Table, key: str) -> pa.Array | None:
@@ -60,10 +99,13 @@ def _prompt_strings(col: pa.Array, path: Path, key: str) -> list[str]:
 
 
 def load_prompts(path: str | Path, prompt_key: str = "prompt",
-                 answer_key: str = "reward_model.ground_truth") -> pa.Table:
-    """Read a dataset and normalise it to (data_source, prompt, ground_truth)."""
+                 answer_key: str = "reward_model.ground_truth", split: str = "train") -> pa.Table:
+    """Read a dataset and normalise it to (data_source, prompt, ground_truth), every row.
+
+    `split` names the split when `path` is a `DatasetDict.save_to_disk` directory.
+    """
     path = Path(path)
-    raw = _read_raw(path)
+    raw = _read_raw(path, split)
     prompt = _column(raw, prompt_key)
     if prompt is None:
         raise DatasetError(f"{path}: no prompt column {prompt_key!r} (columns: {raw.column_names}); "
@@ -94,6 +136,91 @@ def render(tokenizer, prompt: str) -> str:
             return prompt
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return prompt
+
+
+# ---- the length filter ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PromptSet:
+    """A split's prompts after the length filter: `table` is what iterations draw from."""
+
+    table: pa.Table
+    total: int  # rows in the dataset
+    too_long: int  # prompts longer than `limit` tokens; dropped from `table` when data.filter_overlong
+    limit: int  # model.max_model_len - generate.max_tokens
+
+
+def _digest(files: list[Path], root: Path) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        h.update((f.relative_to(root).as_posix() if root.is_dir() else "").encode() + b"\0")
+        with f.open("rb") as fh:
+            h.update(hashlib.file_digest(fh, "sha256").digest())
+    return h.hexdigest()
+
+
+def _lengths_file(exp: Experiment, path: Path, split: str) -> Path:
+    """Cache file of a dataset's prompt lengths, named by the bytes of the data and the tokenizer."""
+    source = _hf_split_dir(path, split) if path.is_dir() else path
+    data_files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
+    tok_dir = Path(exp.tokenizer_path)
+    tok_files = sorted(p for p in tok_dir.iterdir() if p.is_file() and p.suffix not in WEIGHT_SUFFIXES)
+    key = json.dumps({"v": 1, "data": _digest(data_files, source), "prompt_key": exp.data.prompt_key,
+                      "tokenizer": _digest(tok_files, tok_dir)})
+    name = hashlib.sha256(key.encode()).hexdigest()[:32]
+    return Path(exp.run.runs_root) / ".cache" / "prompt-lengths" / f"{name}.parquet"
+
+
+def _measure(prompts: list[str], tokenizer, path: Path) -> np.ndarray:
+    """Tokens of each rendered prompt, counted as the engine will see it."""
+    if not tokenizer.chat_template and any(p.startswith("[{") for p in prompts):
+        raise DatasetError(f"{path}: prompts are chat messages but the tokenizer has no chat template")
+    out: list[int] = []
+    for i in range(0, len(prompts), TOKENIZE_BATCH):
+        texts = [render(tokenizer, p) for p in prompts[i: i + TOKENIZE_BATCH]]
+        out += [len(ids) for ids in tokenizer(texts)["input_ids"]]
+    return np.asarray(out, dtype=np.int32)
+
+
+def prompt_lengths(exp: Experiment, split: str, table: pa.Table, tokenizer=None) -> np.ndarray:
+    """Tokens of every prompt of a split, cached under <runs_root>/.cache/prompt-lengths/.
+
+    The cache is keyed by the dataset's and the tokenizer's bytes, so a run and its stages reuse
+    one measurement; the tokenizer (exp.tokenizer_path unless given) is loaded only on a miss.
+    """
+    path = Path(getattr(exp.data, split))
+    cache = _lengths_file(exp, path, getattr(exp.data, f"{split}_split"))
+    if cache.is_file():
+        lengths = pq.read_table(cache)["prompt_tokens"].to_numpy()
+        if len(lengths) == table.num_rows:
+            return lengths
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(exp.tokenizer_path)
+    lengths = _measure(table["prompt"].to_pylist(), tokenizer, path)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+    pq.write_table(pa.table({"prompt_tokens": lengths}), tmp)
+    tmp.replace(cache)
+    return lengths
+
+
+def prompt_set(exp: Experiment, split: str, tokenizer=None) -> PromptSet:
+    """The prompts of `split` ("train" or "test") that iterations use.
+
+    Prompts longer than model.max_model_len - generate.max_tokens tokens are counted, and dropped
+    when data.filter_overlong (preflight refuses the run otherwise). Deterministic: the same
+    dataset and tokenizer give the same rows, in dataset order.
+    """
+    d = exp.data
+    table = load_prompts(getattr(d, split), d.prompt_key, d.answer_key, getattr(d, f"{split}_split"))
+    limit = exp.model.max_model_len - exp.generate.max_tokens
+    keep = prompt_lengths(exp, split, table, tokenizer) <= limit
+    too_long = int((~keep).sum())
+    total = table.num_rows
+    if d.filter_overlong and too_long:
+        table = table.filter(pa.array(keep))
+    return PromptSet(table, total, too_long, limit)
 
 
 def draw_prompts(n_rows: int, per_iteration: int, iteration: int, seed: int) -> np.ndarray:

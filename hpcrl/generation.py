@@ -105,11 +105,11 @@ def requests_for(exp: Experiment, iteration: int, tokenizer) -> tuple[tuple[Requ
     """(train requests, validation requests) of an iteration."""
     train, val = (), ()
     if plan.trains(exp, iteration):
-        prompts = data.load_prompts(exp.data.train, exp.data.prompt_key, exp.data.answer_key)
+        prompts = data.prompt_set(exp, "train", tokenizer).table
         rows = data.draw_prompts(prompts.num_rows, exp.algorithm.prompts_per_iteration, iteration, exp.run.seed)
         train = tuple(_request("train", int(i), prompts, tokenizer) for i in rows)
     if plan.validates(exp, iteration):
-        prompts = data.load_prompts(exp.data.test, exp.data.prompt_key, exp.data.answer_key)
+        prompts = data.prompt_set(exp, "test", tokenizer).table
         n = min(prompts.num_rows, exp.data.max_val_prompts or prompts.num_rows)
         val = tuple(_request("val", i, prompts, tokenizer) for i in range(n))
     return train, val

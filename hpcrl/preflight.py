@@ -11,8 +11,6 @@ from pathlib import Path
 from hpcrl import data, rewards
 from hpcrl.config import ConfigError, Experiment
 
-PROMPTS_CHECKED = 1000  # prompt lengths are checked on the first rows of each dataset
-
 
 def _check_model(exp: Experiment) -> tuple[list[str], dict | None]:
     cfg_file = Path(exp.model.path) / "config.json"
@@ -40,32 +38,45 @@ def _check_tokenizer(exp: Experiment, model_cfg: dict | None):
     return problems, tok
 
 
-def _check_data(exp: Experiment, tok) -> list[str]:
-    problems = []
-    longest = exp.model.max_model_len - exp.generate.max_tokens
-    for key in ("train", "test"):
-        path = getattr(exp.data, key)
-        if not path:
-            continue
-        try:
-            prompts = data.load_prompts(path, exp.data.prompt_key, exp.data.answer_key)
-        except data.DatasetError as err:
-            problems.append(f"data.{key}: {err}")
-            continue
-        if key == "train" and prompts.num_rows < exp.algorithm.prompts_per_iteration:
-            problems.append(f"data.train: {path}: {prompts.num_rows} prompts, fewer than "
-                            f"algorithm.prompts_per_iteration = {exp.algorithm.prompts_per_iteration}")
-        if tok is None:
-            continue
-        texts = prompts["prompt"].slice(0, PROMPTS_CHECKED).to_pylist()
-        if any(t.startswith("[{") for t in texts) and not tok.chat_template:
-            problems.append(f"data.{key}: {path}: prompts are chat messages but the tokenizer has no chat template")
-            continue
-        too_long = sum(len(tok(data.render(tok, t))["input_ids"]) > longest for t in texts)
-        if too_long:
-            problems.append(f"data.{key}: {path}: {too_long} of the first {len(texts)} prompts are longer than "
-                            f"model.max_model_len - generate.max_tokens = {longest} tokens")
-    return problems
+def _check_split(exp: Experiment, split: str, tok) -> tuple[list[str], list[str]]:
+    """(problems, notes) of data.train or data.test: readable, long enough, prompts that fit."""
+    key, path = f"data.{split}", getattr(exp.data, split)
+    problems, notes = [], []
+    try:
+        if tok is None:  # the tokenizer's problem is reported already; lengths cannot be measured
+            table = data.load_prompts(path, exp.data.prompt_key, exp.data.answer_key, getattr(exp.data, f"{split}_split"))
+            prompts = data.PromptSet(table, table.num_rows, 0, 0)
+        else:
+            prompts = data.prompt_set(exp, split, tok)
+    except data.DatasetError as err:
+        return [f"{key}: {err}"], []
+    if prompts.too_long:
+        what = (f"{prompts.too_long} of {prompts.total} prompts longer than model.max_model_len - "
+                f"generate.max_tokens = {prompts.limit} tokens")
+        if exp.data.filter_overlong:
+            notes.append(f"{key}: {path}: dropped {what} (data.filter_overlong)")
+        else:
+            problems.append(f"{key}: {path}: {what}; drop them with data.filter_overlong = true, or raise "
+                            "model.max_model_len")
+    usable = prompts.table.num_rows
+    dropped = prompts.total - usable
+    after = f" (after dropping {dropped} too long)" if dropped else ""
+    if usable == 0:
+        problems.append(f"{key}: {path}: no prompt left{after}")
+    elif split == "train" and usable < exp.algorithm.prompts_per_iteration:
+        problems.append(f"{key}: {path}: {usable} prompts{after}, fewer than "
+                        f"algorithm.prompts_per_iteration = {exp.algorithm.prompts_per_iteration}")
+    return problems, notes
+
+
+def _check_data(exp: Experiment, tok) -> tuple[list[str], list[str]]:
+    problems, notes = [], []
+    for split in ("train", "test"):
+        if getattr(exp.data, split):
+            p, n = _check_split(exp, split, tok)
+            problems += p
+            notes += n
+    return problems, notes
 
 
 def _check_rewards(exp: Experiment) -> list[str]:
@@ -120,10 +131,13 @@ def _check_slurm(exp: Experiment) -> list[str]:
     return problems
 
 
-def check(exp: Experiment, source: str) -> None:
-    """Raise ConfigError listing every problem found in the experiment `source`."""
+def check(exp: Experiment, source: str) -> list[str]:
+    """Raise ConfigError listing every problem found in the experiment `source`; return notes
+    for the user (prompts dropped by the length filter)."""
     problems, model_cfg = _check_model(exp)
     tok_problems, tok = _check_tokenizer(exp, model_cfg)
-    problems += tok_problems + _check_data(exp, tok) + _check_rewards(exp) + _check_batch(exp) + _check_slurm(exp)
+    data_problems, notes = _check_data(exp, tok)
+    problems += tok_problems + data_problems + _check_rewards(exp) + _check_batch(exp) + _check_slurm(exp)
     if problems:
         raise ConfigError(f"{source}: the experiment cannot run:\n  " + "\n  ".join(problems))
+    return notes

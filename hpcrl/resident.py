@@ -40,7 +40,7 @@ def probe_sequences(exp: Experiment, tokenizer) -> list[list[int]]:
     """Fixed token sequences (the first training prompts and their answers) both sides score."""
     from hpcrl import data
 
-    prompts = data.load_prompts(exp.data.train, exp.data.prompt_key, exp.data.answer_key)
+    prompts = data.prompt_set(exp, "train", tokenizer).table
     out = []
     for i in range(min(PROBE_PROMPTS, prompts.num_rows)):
         text = data.render(tokenizer, prompts["prompt"][i].as_py()) + str(prompts["ground_truth"][i].as_py())
