@@ -81,10 +81,19 @@ class ResidentCall(submitit.helpers.Checkpointable):
             else:
                 Generator(run, exp, plane).drive()
         except BaseException as err:
+            if _lost_peer(err):  # a peer died mid-transfer: let the monitor name it (it ends this process)
+                time.sleep(exp.executor.stall_s + 2 * HEARTBEAT_S)
             plane.fail(f"{type(err).__name__}: {err}".splitlines()[0] + f" (on {os.uname().nodename})")
             traceback.print_exc()
             time.sleep(2 * HEARTBEAT_S)  # the other tasks' monitors read the flag before rank 0's store goes
             raise
+
+
+def _lost_peer(err: BaseException) -> bool:
+    """Whether an error is a broken connection to another task (gloo, NCCL or the store)."""
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(
+        s in text for s in ("connection closed", "connection reset", "broken pipe", "closed by peer", "timed out"))
 
 
 class Trainer:

@@ -74,9 +74,13 @@ class ControlPlane:
             pass
 
     def failure(self) -> str | None:
-        if not self.store.check(["failed"]):
+        return self._failure(self.store)
+
+    @staticmethod
+    def _failure(store) -> str | None:
+        if not store.check(["failed"]):
             return None
-        info = json.loads(self.store.get("failed"))
+        info = json.loads(store.get("failed"))
         return f"{info['who']} failed: {info['error']}"
 
     def start_monitor(self) -> None:
@@ -86,18 +90,23 @@ class ControlPlane:
         self._stopping.set()
 
     def _monitor(self) -> None:
+        import torch.distributed as dist
+
+        # A connection of its own: the main thread may sit in a blocking wait on self.store.
+        store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=30),
+                              wait_for_workers=False)
         seen: dict[int, tuple[int, float]] = {}
         while not self._stopping.wait(HEARTBEAT_S):
             try:
                 self._beats += 1
-                self.store.set(f"hb/{self.rank}", str(self._beats))
-                failure = self.failure()
+                store.set(f"hb/{self.rank}", str(self._beats))
+                failure = self._failure(store)
                 stalled = None
                 now = time.monotonic()
                 for r in range(self.layout.world_size):
-                    if r == self.rank or not self.store.check([f"hb/{r}"]):
+                    if r == self.rank or not store.check([f"hb/{r}"]):
                         continue
-                    beat = int(self.store.get(f"hb/{r}"))
+                    beat = int(store.get(f"hb/{r}"))
                     if seen.get(r, (None,))[0] != beat:
                         seen[r] = (beat, now)
                     elif now - seen[r][1] > self.stall_s:

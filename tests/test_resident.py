@@ -1,0 +1,189 @@
+"""The resident mode: weights streamed into a live vLLM engine, the probe check, equality with the
+staged mode, a killed role stopping the job, resume (also in the other mode) and rollback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from hpcrl import commit, config, plan
+from hpcrl.rundir import RunDir
+from hpcrl.weight_sync import WeightSyncError, check_probe
+
+RESIDENT = {"mode": "resident", "max_retries": 0, "stall_s": 5}
+
+
+def _hf_logprobs(model, sequences: list[list[int]]) -> list[list[float]]:
+    from hpcrl import losses
+
+    out = []
+    with torch.no_grad():
+        for s in sequences:
+            logits = model(torch.tensor([s])).logits[:, :-1]
+            out.append(losses.token_logprobs(logits, torch.tensor([s[1:]]), 1.0)[0].tolist())
+    return out
+
+
+def _vllm_param(worker, name: str) -> torch.Tensor:
+    return dict(worker.model_runner.model.named_parameters())[name].detach().clone()
+
+
+def test_weights_streamed_into_vllm_match_the_trainer_and_a_skipped_sync_is_caught(write_experiment, tiny_task,
+                                                                                   tmp_path):
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl import generation, resident, weight_sync
+    from hpcrl.distributed import free_port
+
+    exp = config.load(write_experiment())
+    llm = generation.make_engine(exp, Path(exp.model.path), 0, worker_extension_cls="hpcrl.vllm_ext.WeightReceiver")
+    base = AutoModelForCausalLM.from_pretrained(exp.model.path, dtype=torch.float32)
+    trained = AutoModelForCausalLM.from_pretrained(exp.model.path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # "an update": every parameter moves
+        for p in trained.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    probe = resident.probe_sequences(exp, llm.get_tokenizer())
+    old, new = _hf_logprobs(base, probe), _hf_logprobs(trained, probe)
+
+    # No sync: the engine still has the old weights, and the probe check says so.
+    with pytest.raises(WeightSyncError, match="previous weights"):
+        check_probe(generation.sequence_logprobs(llm, probe), new, old, 1e-4, version=1)
+
+    # Sync over a gloo group: trainer side in a thread, vLLM's worker extension on the other end.
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, None, is_master=True, timeout=timedelta(seconds=60),
+                          wait_for_workers=False)
+    sent = {}
+
+    def trainer_side():
+        pg = weight_sync.group_on(store, 0, 2, 60)
+        sent["bytes"] = weight_sync.ProcessGroupSync(pg, 0, 4096).send(
+            trained.named_parameters(remove_duplicate=False))
+
+    thread = threading.Thread(target=trainer_side)
+    thread.start()
+    llm.collective_rpc("hpcrl_join_sync", args=("127.0.0.1", port, 1, 2, 60.0, 4096, "gloo"))
+    received = llm.collective_rpc("hpcrl_receive_weights")[0]
+    thread.join(timeout=60)
+    llm.reset_prefix_cache()
+    assert received["bytes"] == sent["bytes"] > 0
+
+    after = generation.sequence_logprobs(llm, probe)
+    metrics = check_probe(after, new, old, 1e-4, version=1)
+    assert metrics["sync/logp_diff"] < 1e-4 < metrics["sync/update_shift"]
+    # Parameters vLLM keeps in checkpoint layout arrive bit-identical (its vocabulary rows are padded).
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight"):
+        want = dict(trained.named_parameters())[name]
+        got = llm.collective_rpc(_vllm_param, args=(name,))[0]
+        assert torch.equal(got[: want.shape[0]], want), name
+    # An engine started from the same weights on disk gives exactly the same logprobs.
+    trained.save_pretrained(tmp_path / "trained")
+    fresh = generation.make_engine(exp, tmp_path / "trained", 0)
+    assert generation.sequence_logprobs(fresh, probe) == after
+
+
+def test_check_probe_thresholds():
+    new, old = [[-1.0, -2.0]], [[-1.5, -2.5]]
+    m = check_probe([[-1.00001, -2.0]], new, old, 1e-4, version=3)
+    assert m["sync/logp_diff"] == pytest.approx(0.000005) and m["sync/update_shift"] == pytest.approx(0.5)
+    with pytest.raises(WeightSyncError, match="differ from the trainer's by 1.00e-01"):
+        check_probe([[-1.1, -2.1]], new, old, 1e-4, version=3)
+    with pytest.raises(WeightSyncError, match="previous weights"):  # within a loose tolerance, but stale
+        check_probe([[-1.3, -2.3]], new, old, 0.4, version=3)
+    # The update did not move the probe: nothing to tell apart, and no error.
+    assert check_probe([[-1.0, -2.0]], new, new, 1e-4, version=3)["sync/logp_diff"] == 0.0
+
+
+def _same_outputs(a: RunDir, b: RunDir, exp) -> None:
+    for k, s in plan.all_stages(exp):
+        if s == "update":
+            continue  # the staged update also writes the policy every iteration
+        assert commit.read_manifest(a.stage_dir(k, s))["files"] == commit.read_manifest(b.stage_dir(k, s))["files"], (k, s)
+    for k in range(exp.run.iterations):
+        for table in ("stats", "advantages"):
+            ta = pq.read_table(a.stage_dir(k, "update") / f"{table}.parquet")
+            assert ta.equals(pq.read_table(b.stage_dir(k, "update") / f"{table}.parquet")), (k, table)
+
+
+def test_resident_run_commits_what_the_staged_run_commits(write_experiment):
+    staged = write_experiment("staged")
+    res = write_experiment("res", executor={**RESIDENT, "checkpoint_every": 2})
+    for path in (staged, res):
+        out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-3000:]
+    assert "resident job" in out.stdout and "run complete" in out.stdout
+    exp = config.load(res)
+    a, b = RunDir.at(config.load(staged).run_dir), RunDir.at(exp.run_dir)
+    _same_outputs(a, b, exp)
+    m = commit.read_manifest(b.stage_dir(1, "generate"))["metrics"]
+    assert m["sync/logp_diff"] < 1e-4 and m["sync/bytes"] > 0
+    assert m["sync/logp_diff_prev"] > 1e-4  # the update moved the probe, so a stale engine would be seen
+    # checkpoint_every = 2: version 1 is not saved, version 2 (the last) is.
+    assert not b.has_policy(1) and b.has_policy(2)
+    assert commit.read_manifest(b.stage_dir(0, "update"))["timings"]["startup"] == 0.0
+
+
+def _task_pid(run: RunDir, task: int, timeout: float = 300) -> int:
+    """The pid of task `task` of the run's resident job (from the submitit task's environment)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                env = (proc / "environ").read_bytes().split(b"\0")
+                cmd = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"submitit.core._submit" in cmd and str(run.logs).encode() in cmd and \
+                    f"SUBMITIT_LOCAL_GLOBALID={task}".encode() in env:
+                return int(proc.name)
+        time.sleep(0.5)
+    raise AssertionError(f"no task {task} of a resident job of {run.root}")
+
+
+def test_killed_generator_stops_the_job_within_seconds_and_the_run_resumes_staged(write_experiment):
+    path = write_experiment("kill", run={"iterations": 3}, executor={**RESIDENT, "checkpoint_every": 2})
+    exp = config.load(path)
+    run = RunDir.at(exp.run_dir)
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 600
+        while not commit.is_committed(run.stage_dir(0, "update")):
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.2)
+        os.kill(_task_pid(run, exp.update.world_size), signal.SIGKILL)  # the generator
+        killed = time.time()
+        out, _ = proc.communicate(timeout=60)
+        stopped = time.time() - killed
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert stopped < 30, stopped
+    assert "generator (task 1) stopped responding" in out, out[-3000:]
+    with pytest.raises(AssertionError):  # the trainer is gone too: no survivor holds the allocation
+        _task_pid(run, 0, timeout=1)
+
+    # Continue in the staged mode: iteration 0's update saved no policy (checkpoint_every = 2), so it
+    # is moved aside and redone; nothing committed is overwritten.
+    staged = path.with_name("kill-staged.toml")
+    staged.write_text(path.read_text().replace('mode = "resident"', 'mode = "staged"'))
+    resumed = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(staged)], capture_output=True,
+                             text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "moved aside update.rolled-back-" in out + resumed.stdout
+    assert list(run.iteration_dir(0).glob("update.rolled-back-*"))
+    assert plan.next_stage(run, config.load(run.config_path)) is None
