@@ -132,6 +132,7 @@ def run_stage(stage: str, run_dir: str | os.PathLike, iteration: int, body: Body
             "packages": package_versions(),
             "timings": ctx.timings,
             "host": socket.gethostname(),
+            "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
             "world_size": world_size,
             "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
         })

@@ -198,3 +198,30 @@ def test_sbatch_script_submitted_by_hand_runs_the_stage_and_injects_nothing(tmp_
                          text=True)
     assert out.returncode == 2 and "executor.score: sbatch option --partition" in out.stderr
     assert not any(c.exists() for c in canaries)
+
+
+def test_resident_job_spans_two_nodes_trainer_on_one_generator_on_the_other(runs_root, tiny_task, local_ref):
+    spec = {"kind": "slurm", "mode": "resident", "max_retries": 0,
+            "resident": {"partition": "debug", "nodes": 2, "cpus_per_task": 1, "time_min": 20}}
+    path = _write(runs_root, tiny_task, "resident", executor=spec)
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", "--foreground", str(path)],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr
+    run = RunDir.at(runs_root / "runs" / "resident")
+    _same_outputs_but_policies(run, local_ref)
+    [job] = [j for j in run.jobs() if j["role"] == "resident"]
+    row = _sacct([job["job_id"]])[0]
+    assert row["State"] == "COMPLETED" and row["NodeList"] in ("n[1-2]", "n1,n2"), row
+    exp = config.load(path)
+    nodes = {s: {commit.read_manifest(run.stage_dir(k, s))["node"] for k, st in plan.all_stages(exp) if st == s}
+             for s in ("generate", "update")}
+    assert nodes == {"update": {"n1"}, "generate": {"n2"}}, nodes
+
+
+def _same_outputs_but_policies(a: RunDir, b: RunDir) -> None:
+    """Equal rollouts, scores and update tables (a resident run saves fewer policy versions)."""
+    exp = config.load(a.config_path)
+    for k, s in plan.all_stages(exp):
+        fa, fb = (commit.read_manifest(d.stage_dir(k, s))["files"] for d in (a, b))
+        assert {f: v for f, v in fa.items() if f.endswith(".parquet")} == \
+            {f: v for f, v in fb.items() if f.endswith(".parquet")}, (k, s)
