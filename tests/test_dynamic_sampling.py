@@ -132,3 +132,19 @@ def test_the_update_batch_is_the_kept_training_rows():
     rollouts, scores = _tables(None)
     with pytest.raises(ValueError, match="do not line up"):
         trainer.load_samples(rollouts, scores.set_column(1, "prompt_index", pa.array([4, 4, 5, 6, 0, 1])))
+
+
+def test_config_keys_and_the_note_on_scoring_twice(write_experiment):
+    from hpcrl import config, preflight
+
+    exp = config.load(write_experiment())
+    assert (exp.algorithm.dynamic_sampling, exp.algorithm.max_sampling_rounds) == (False, 4)
+    with pytest.raises(config.ConfigError, match="algorithm.max_sampling_rounds"):
+        config.load(write_experiment(algorithm={"max_sampling_rounds": 0}))
+    rules = config.load(write_experiment(algorithm={"dynamic_sampling": True}, data={"test": ""}))
+    assert preflight.check(rules, "e.toml") == []  # rule functions: nothing to say
+    http = config.load(write_experiment(algorithm={"dynamic_sampling": True}, data={"test": ""},
+                                        reward={"http": {"url": "http://rm:8000/score"}}))
+    assert preflight.check(http, "e.toml") == [
+        "algorithm.dynamic_sampling: the generate stage scores training samples to choose the batch and the score "
+        "stage scores them again: the HTTP reward service receives every training sample twice"]
