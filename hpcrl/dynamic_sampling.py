@@ -34,7 +34,8 @@ Scoring twice: the generate stage scores each training sample to decide, the sco
 it again for the committed record. Rule functions cost little; a reward model is loaded in the
 generate job as well (beside vLLM), and an HTTP service receives every sample twice. A continuous
 reward model almost never gives a group equal rewards: dynamic sampling is meant for verifiable
-(right/wrong) rewards. Equal means exactly equal (max == min).
+(right/wrong) rewards. Equal means exactly equal (max == min). The generate manifest's timings
+hold this scoring as `filter`, apart from `compute` (sampling), so perf/throughput stays vLLM's.
 
 This module holds the round loop over injected draw / sample / score functions and the pure
 selection; it never touches vLLM or reward sources (hpcrl.generation wires those in).

