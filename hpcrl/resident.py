@@ -191,7 +191,7 @@ class Generator:
                 k, stage = nxt
                 if stage == "generate":
                     def body(ctx):
-                        generation.generate(ctx, self.llm, self.version)
+                        generation.generate(ctx, self.llm, self.version, self.pool)
                         ctx.writer.metrics.update(self.sync_metrics)
                     run_stage("generate", self.run.root, k, body, startup=0.0)
                 elif stage == "score":

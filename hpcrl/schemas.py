@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# v2: rollouts gained `round` and `kept` (dynamic sampling, hpcrl/dynamic_sampling.py). Readers
+# take v1 rollouts, which lack them, as round 0 with every training row kept.
 
 # The key of one sample across the generate, score and update outputs.
 SAMPLE_KEYS = ("split", "prompt_index", "sample_index")
@@ -29,6 +31,8 @@ ROLLOUTS = pa.schema(
         pa.field("response_text", pa.string()),
         pa.field("finish_reason", pa.string()),
         pa.field("policy_version", pa.int32(), nullable=False),
+        pa.field("round", pa.int32(), nullable=False),  # sampling round that drew the prompt (0 without dynamic sampling)
+        pa.field("kept", pa.bool_(), nullable=False),  # the update trains on it (false for validation samples)
     ]
 )
 

@@ -1,6 +1,7 @@
 """Scoring rollouts: apply the reward sources to a rollouts table and summarise the rewards.
 
-Pure table-in, table-out; the score stage commits the result. The sources of a config are its
+Pure table-in, table-out; the score stage commits the result (and the generate stage scores its
+rounds with the same functions under dynamic sampling). The sources of a config are its
 reward functions (named `module:function`), the reward model (`model`) and the HTTP service
 (`http`); each scores every sample and rewards.merge weighs their outputs into the reward.
 """
@@ -13,7 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from hpcrl import rewards
-from hpcrl.config import RewardConfig
+from hpcrl.config import Experiment, RewardConfig
 from hpcrl.schemas import SAMPLE_KEYS
 
 INPUT_COLUMNS = [*SAMPLE_KEYS, "data_source", "prompt_text", "ground_truth", "response_text", "response_ids",
@@ -30,6 +31,15 @@ def load_sources(cfg: RewardConfig) -> tuple[dict[str, rewards.Source], dict[str
         sources["model"], weights["model"] = reward_backends.RewardModel(cfg.model), cfg.model.weight
     if cfg.http.url:
         sources["http"], weights["http"] = reward_backends.HttpReward.from_config(cfg.http), cfg.http.weight
+    return sources, weights
+
+
+def stage_sources(cfg: RewardConfig, pool=None) -> tuple[dict[str, rewards.Source], dict[str, float]]:
+    """load_sources, with the reward functions run on `pool` (an Executor of reward worker
+    processes, kept by the resident mode) when given."""
+    sources, weights = load_sources(cfg)
+    if pool is not None:
+        sources.update({name: PooledFunction(name, pool) for name in cfg.functions})
     return sources, weights
 
 
@@ -68,6 +78,13 @@ def score(rollouts: pa.Table, sources: dict[str, rewards.Source], weights: dict[
         "reward_components": pa.array(out_components, pa.map_(pa.string(), pa.float64())),
         "reward_message": pa.array(out_message, pa.string()),
     })
+
+
+def score_for(exp: Experiment, rollouts: pa.Table, sources: dict[str, rewards.Source],
+              weights: dict[str, float]) -> pa.Table:
+    """`score` with the overlong penalty settings of an experiment: what the score stage records."""
+    r = exp.reward
+    return score(rollouts, sources, weights, r.overlong_buffer, r.overlong_penalty_factor, exp.generate.max_tokens)
 
 
 def metric_name(component: str) -> str:
@@ -120,13 +137,9 @@ def score_stage(ctx, pool=None) -> None:
     with ctx.timed("io"):
         rollouts = commit.read_table(gen, "rollouts", columns=INPUT_COLUMNS)
     with ctx.timed("load"):
-        sources, weights = load_sources(ctx.exp.reward)
-        if pool is not None:
-            sources.update({name: PooledFunction(name, pool) for name in ctx.exp.reward.functions})
+        sources, weights = stage_sources(ctx.exp.reward, pool)
     with ctx.timed("compute"):
-        r = ctx.exp.reward
-        scores = score(rollouts, sources, weights, r.overlong_buffer, r.overlong_penalty_factor,
-                       ctx.exp.generate.max_tokens)
+        scores = score_for(ctx.exp, rollouts, sources, weights)
     with ctx.timed("io"):
         ctx.writer.write_table("scores", scores)
     ctx.writer.metrics.update(metrics(rollouts, scores))

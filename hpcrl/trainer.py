@@ -39,11 +39,14 @@ class Samples:
 
 
 def load_samples(rollouts: pa.Table, scores: pa.Table) -> Samples:
-    """Training rows of the rollouts with their rewards (rows must line up key by key)."""
-    train = rollouts.filter(pa.compute.equal(rollouts["split"], "train"))
-    s = scores.filter(pa.compute.equal(scores["split"], "train"))
-    if train.select(list(SAMPLE_KEYS)) != s.select(list(SAMPLE_KEYS)):
+    """The update batch: the `kept` training rows of the rollouts with their rewards (rows must
+    line up key by key). Rollouts of schema v1 have no `kept`: every training row is kept."""
+    if rollouts.select(list(SAMPLE_KEYS)) != scores.select(list(SAMPLE_KEYS)):
         raise ValueError("score rows do not line up with the rollouts (keys differ)")
+    batch = pa.compute.equal(rollouts["split"], "train")
+    if "kept" in rollouts.column_names:
+        batch = pa.compute.and_(batch, rollouts["kept"])
+    train, s = rollouts.filter(batch), scores.filter(batch)
     return Samples(
         keys=train.select(list(SAMPLE_KEYS)),
         prompt_ids=train["prompt_ids"].to_pylist(),

@@ -101,6 +101,8 @@ def rollouts_table(k: int, n_train: int, n_val: int, *, group_size: int = 8, max
         "finish_reason": pa.DictionaryArray.from_arrays(pa.array((response_len >= max_tokens).astype(np.int8)),
                                                         ["stop", "length"]),
         "policy_version": pa.array(np.full(n, k, np.int32)),
+        "round": pa.array(np.zeros(n, np.int32)),
+        "kept": pa.array(np.arange(n) < n_train),
     }))
 
 

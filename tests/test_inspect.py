@@ -88,7 +88,7 @@ def _rollout(split, prompt, sample, source, n_tokens, finish, text):
     return {"iteration": 0, "split": split, "prompt_index": prompt, "sample_index": sample, "data_source": source,
             "prompt_text": f"prompt {prompt}?", "ground_truth": "1", "prompt_ids": [1, 2], "response_ids":
             list(range(n_tokens)), "logprobs": [-0.5] * n_tokens, "response_text": text, "finish_reason": finish,
-            "policy_version": 0}
+            "policy_version": 0, "round": 0, "kept": split == "train"}
 
 
 @pytest.fixture(scope="module")

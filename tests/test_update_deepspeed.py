@@ -32,7 +32,7 @@ def _commit_inputs(run: RunDir, exp: config.Experiment, tokenizer) -> None:
                              prompt_text=prompt, ground_truth=str(a + b),
                              prompt_ids=tokenizer(prompt, add_special_tokens=False)["input_ids"], response_ids=ids,
                              logprobs=[-1.0] * len(ids), response_text=answer, finish_reason="stop",
-                             policy_version=0))
+                             policy_version=0, round=0, kept=True))
     rollouts = pa.Table.from_pylist(rows)
     w = commit.StageWriter(commit.fresh_temp_dir(run.stage_dir(0, "generate")))
     w.write_table("rollouts", rollouts)
