@@ -142,16 +142,12 @@ class Trainer:
         new = self.actor.sequence_logprobs(probe)
         t0 = time.perf_counter()
         reply = {"probe_old": old, "probe_new": new}
-        if self.exp.executor.weight_sync == "process_group":
-            with self.actor.full_parameters() as params:
-                if self.sender is not None:
-                    reply["bytes"] = self.sender.send(params)
-        else:
-            from hpcrl import trainer
-
-            path = self.run.root / "resident" / "weights"
-            trainer.save_policy(self.actor.engine, self.exp, path, self.rank)
-            reply["path"] = str(path)
+        with self.actor.full_parameters() as params:  # every rank gathers (ZeRO-3); rank 0 sends
+            if self.rank == 0 and self.sender is not None:
+                reply["bytes"] = self.sender.send(params)
+            elif self.rank == 0:
+                path = self.run.root / "resident" / "weights"
+                reply["bytes"], reply["path"] = weight_sync.FilesystemSync(path).send(params), str(path)
         reply["send_s"] = time.perf_counter() - t0
         if self.rank == 0:
             self.plane.reply(reply)
@@ -211,28 +207,29 @@ class Generator:
             self.llm.sleep(level=2)
         seq = self.plane.send({"op": "update", "iteration": k, "checkpoint": checkpoint_due(self.exp, k),
                                "probe": self.probe})
-        t0 = time.perf_counter()
         if colocate:
             self.llm.wake_up(tags=["weights"])
-        if self.exp.executor.weight_sync == "process_group":
+        if self.exp.executor.weight_sync == "process_group":  # the engine loads buckets as they arrive
             received = self.llm.collective_rpc("hpcrl_receive_weights")[0]
+            t0 = time.perf_counter()
             reply = self.plane.wait_reply(seq)
         else:
             reply = self.plane.wait_reply(seq)
             t0 = time.perf_counter()
             received = self.llm.collective_rpc("hpcrl_reload_from", args=(reply["path"],))[0]
-            received["bytes"] = sum(f.stat().st_size for f in (self.run.root / "resident" / "weights").glob(
-                "*.safetensors"))
         if colocate:
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
         self.version = k + 1
-        load_s = time.perf_counter() - t0
+        # trainer: gather + send (or write); generator: what remains after the last byte (or the reload)
+        sync_s = reply["send_s"] + time.perf_counter() - t0
         from hpcrl import generation
 
+        t0 = time.perf_counter()
         engine_lp = generation.sequence_logprobs(self.llm, self.probe)
         metrics = weight_sync.check_probe(engine_lp, reply["probe_new"], reply["probe_old"],
                                           weight_sync.probe_tolerance(self.exp), version=self.version)
+        metrics["sync/probe_s"] = time.perf_counter() - t0
         nbytes = float(received.get("bytes") or reply.get("bytes") or 0)
-        self.sync_metrics = {**metrics, "sync/seconds": load_s, "sync/bytes": nbytes,
-                             "sync/gb_per_s": nbytes / max(load_s, 1e-9) / 1e9}
+        self.sync_metrics = {**metrics, "sync/seconds": sync_s, "sync/bytes": nbytes,
+                             "sync/gb_per_s": nbytes / max(sync_s, 1e-9) / 1e9}

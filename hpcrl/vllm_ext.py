@@ -49,7 +49,9 @@ class WeightReceiver:
         return {**received, "seconds": time.perf_counter() - t0}
 
     def hpcrl_reload_from(self, path: str) -> dict:
-        """The filesystem fallback: reload the weights of an HF directory in place."""
+        """The filesystem fallback: load the weights the trainer wrote (hpcrl.weight_sync.FilesystemSync)."""
+        from hpcrl.weight_sync import FilesystemSync
+
         t0 = time.perf_counter()
-        self.model_runner.reload_weights(weights_path=path)
+        self.model_runner.reload_weights(weights_iterator=FilesystemSync(path).receive())
         return {"seconds": time.perf_counter() - t0}

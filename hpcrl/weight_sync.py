@@ -107,7 +107,11 @@ class FilesystemSync:
         from safetensors.torch import save_file
 
         self.dir.mkdir(parents=True, exist_ok=True)
-        state = {n: t.detach().contiguous() for n, t in tensors}
+        state, seen = {}, set()
+        for n, t in tensors:  # tied parameters go under each name; safetensors wants separate storage
+            t = t.detach().contiguous()
+            state[n] = t.clone() if t.data_ptr() in seen else t
+            seen.add(t.data_ptr())
         tmp = self.dir / "weights.safetensors.tmp"
         save_file(state, str(tmp))
         tmp.replace(self.dir / "weights.safetensors")

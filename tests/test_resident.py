@@ -117,22 +117,25 @@ def _same_outputs(a: RunDir, b: RunDir, exp) -> None:
             assert ta.equals(pq.read_table(b.stage_dir(k, "update") / f"{table}.parquet")), (k, table)
 
 
-def test_resident_run_commits_what_the_staged_run_commits(write_experiment):
+def test_resident_runs_commit_what_the_staged_run_commits(write_experiment):
     staged = write_experiment("staged")
-    res = write_experiment("res", executor={**RESIDENT, "checkpoint_every": 2})
-    for path in (staged, res):
+    resident = [write_experiment(f"res-{sync}", executor={**RESIDENT, "checkpoint_every": 2, "weight_sync": sync})
+                for sync in ("process_group", "filesystem")]
+    for path in (staged, *resident):
         out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr[-3000:]
     assert "resident job" in out.stdout and "run complete" in out.stdout
-    exp = config.load(res)
-    a, b = RunDir.at(config.load(staged).run_dir), RunDir.at(exp.run_dir)
-    _same_outputs(a, b, exp)
-    m = commit.read_manifest(b.stage_dir(1, "generate"))["metrics"]
-    assert m["sync/logp_diff"] < 1e-4 and m["sync/bytes"] > 0
-    assert m["sync/logp_diff_prev"] > 1e-4  # the update moved the probe, so a stale engine would be seen
-    # checkpoint_every = 2: version 1 is not saved, version 2 (the last) is.
-    assert not b.has_policy(1) and b.has_policy(2)
-    assert commit.read_manifest(b.stage_dir(0, "update"))["timings"]["startup"] == 0.0
+    a = RunDir.at(config.load(staged).run_dir)
+    for path in resident:
+        exp = config.load(path)
+        b = RunDir.at(exp.run_dir)
+        _same_outputs(a, b, exp)
+        m = commit.read_manifest(b.stage_dir(1, "generate"))["metrics"]
+        assert m["sync/logp_diff"] < 1e-4 and m["sync/bytes"] > 0, path
+        assert m["sync/logp_diff_prev"] > 1e-4  # the update moved the probe, so a stale engine would be seen
+        # checkpoint_every = 2: version 1 is not saved, version 2 (the last) is.
+        assert not b.has_policy(1) and b.has_policy(2)
+        assert commit.read_manifest(b.stage_dir(0, "update"))["timings"]["startup"] == 0.0
 
 
 def _task_pid(run: RunDir, task: int, timeout: float = 300) -> int:
