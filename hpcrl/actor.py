@@ -52,8 +52,13 @@ class Actor:
     def for_version(cls, exp: Experiment, run, version: int, rank: int, world_size: int) -> Actor:
         return cls(exp, rank, world_size, run.policy_dir(version, exp.model.path), run.trainer_state_dir(version))
 
-    def update(self, ctx: StageContext) -> None:
-        """The update of iteration ctx.iteration; writes `stats` and `advantages` (rank 0)."""
+    def update(self, ctx: StageContext, guard=None) -> None:
+        """The update of iteration ctx.iteration; writes `stats` and `advantages` (rank 0).
+
+        With a preemption `guard` (hpcrl.preemption), a signal makes it save its progress after
+        the current optimizer step and hand over for a requeue; a requeued update resumes there."""
+        from hpcrl import preemption
+
         exp, k, rank, world = self.exp, ctx.iteration, self.rank, self.world_size
         gen, scored = ctx.input_dir("generate"), ctx.input_dir("score")
         if k > 0:
@@ -66,18 +71,31 @@ class Actor:
         trainer.check_batch_shape(exp, n, world)
         adv = advantages.compute(exp.algorithm.name, samples.rewards, samples.group_ids, exp.algorithm.norm_adv_by_std)
         rows = trainer.rank_rows(list(range(n)), rank, world)
-        engine = self.engine
+        engine, out_dir = self.engine, ctx.run.stage_dir(k, "update")
+        steps = [(epoch, mini) for epoch in range(exp.update.ppo_epochs)
+                 for mini in trainer.split_mini_batches(n, exp.update.mini_batches, ctx.seed, epoch)]
         with ctx.timed("compute"):
-            engine.eval()
-            old = trainer.logprobs_of(engine, samples, rows, exp, self.pad_id, engine.device)
-            ref = (trainer.logprobs_of(self.ref_model, samples, rows, exp, self.pad_id, engine.device)
-                   if self.ref_model is not None else None)
+            resumed = preemption.load_progress(engine, out_dir) if guard is not None else None
+            if resumed is not None:
+                old, ref, stats = resumed["old"], resumed["ref"], resumed["stats"]
+                _say(rank, f"[update] iteration {k}: resuming at step {len(stats) + 1}/{len(steps)} "
+                           f"from {preemption.partial_dir(out_dir)}")
+            else:
+                engine.eval()
+                old = trainer.logprobs_of(engine, samples, rows, exp, self.pad_id, engine.device)
+                ref = (trainer.logprobs_of(self.ref_model, samples, rows, exp, self.pad_id, engine.device)
+                       if self.ref_model is not None else None)
+                stats = []
             engine.train()
-            stats = []
-            for epoch in range(exp.update.ppo_epochs):
-                for mini in trainer.split_mini_batches(n, exp.update.mini_batches, ctx.seed, epoch):
-                    s = trainer.train_step(engine, samples, mini, adv, old, ref, exp, self.pad_id, rank, world)
-                    stats.append({"step": len(stats), "epoch": epoch, **s})
+            for epoch, mini in steps[len(stats):]:
+                s = trainer.train_step(engine, samples, mini, adv, old, ref, exp, self.pad_id, rank, world)
+                stats.append({"step": len(stats), "epoch": epoch, **s})
+                if len(steps) > 1:
+                    _say(rank, f"[update] iteration {k}: step {len(stats)}/{len(steps)} loss {s['loss']:.4g}")
+                if guard is not None and len(stats) < len(steps) and guard.should_stop():
+                    where = preemption.save_progress(engine, out_dir, rank, {"old": old, "ref": ref, "stats": stats})
+                    _say(rank, f"[update] iteration {k}: saved progress ({len(stats)}/{len(steps)} steps) in {where}")
+                    guard.hand_over()
         if rank == 0:
             with ctx.timed("io"):
                 ctx.writer.write_table("stats", pa.Table.from_pylist(stats), "stats")
@@ -128,6 +146,11 @@ class Actor:
         logits = self.engine(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
         lp = losses.token_logprobs(logits, ids[:, 1:], 1.0)
         return [lp[b, : len(s) - 1].tolist() for b, s in enumerate(sequences)]
+
+
+def _say(rank: int, line: str) -> None:
+    if rank == 0:
+        print(line, flush=True)
 
 
 def update_metrics(stats: list[dict], samples: trainer.Samples, old: dict, compute_s: float) -> dict[str, float]:

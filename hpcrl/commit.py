@@ -100,6 +100,12 @@ def temp_dir(stage_dir: Path) -> Path:
     return stage_dir.parent / f".{stage_dir.name}.tmp"
 
 
+def partial_dir(stage_dir: Path) -> Path:
+    """Where an interrupted stage keeps its progress for the next attempt (hpcrl.preemption);
+    never a committed output, removed by the commit."""
+    return stage_dir.parent / f".{stage_dir.name}.partial"
+
+
 def fresh_temp_dir(stage_dir: Path) -> Path:
     """Empty the stage's temporary directory (leftovers of an interrupted attempt) and return it."""
     if is_committed(stage_dir):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import os
+import shutil
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -136,6 +137,7 @@ def run_stage(stage: str, run_dir: str | os.PathLike, iteration: int, body: Body
             "world_size": world_size,
             "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
         })
+    shutil.rmtree(commit.partial_dir(out), ignore_errors=True)  # an interrupted update's progress
     summary = ", ".join(f"{k} {v:.3g}" for k, v in sorted(manifest["metrics"].items())[:6])
     print(f"[{stage}] iteration {iteration} committed in {ctx.timings['total']:.1f}s: {summary}", flush=True)
     return manifest

@@ -9,7 +9,7 @@ per-sample advantages and logprobs it used.
 
 from __future__ import annotations
 
-from hpcrl import distributed
+from hpcrl import distributed, preemption
 from hpcrl.stage import StageContext, run_stage
 from stages import cli_args
 
@@ -21,7 +21,8 @@ def body(ctx: StageContext) -> None:
         from hpcrl.actor import Actor
     with ctx.timed("load"):
         actor = Actor.for_version(ctx.exp, ctx.run, ctx.iteration, ctx.rank, ctx.world_size)
-    actor.update(ctx)
+    with preemption.Guard() as guard:  # Slurm's pre-timeout signal: save progress, requeue, resume
+        actor.update(ctx, guard)
     actor.save(ctx)
 
 

@@ -48,3 +48,24 @@ def write_experiment(tmp_path, tiny_task):
         return path
 
     return write
+
+
+def task_pid(logs: Path, task: int, timeout: float = 300) -> int:
+    """The pid of task `task` of a running submitit job whose folder is under `logs`."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                env = (proc / "environ").read_bytes().split(b"\0")
+                cmd = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"submitit.core._submit" in cmd and str(logs).encode() in cmd and \
+                    f"SUBMITIT_LOCAL_GLOBALID={task}".encode() in env:
+                return int(proc.name)
+        time.sleep(0.5)
+    raise AssertionError(f"no task {task} of a submitit job under {logs}")

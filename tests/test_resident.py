@@ -19,6 +19,7 @@ import torch
 from hpcrl import commit, config, plan
 from hpcrl.rundir import RunDir
 from hpcrl.weight_sync import WeightSyncError, check_probe
+from tests.conftest import task_pid
 
 RESIDENT = {"mode": "resident", "max_retries": 0, "stall_s": 5}
 
@@ -138,25 +139,6 @@ def test_resident_runs_commit_what_the_staged_run_commits(write_experiment):
         assert commit.read_manifest(b.stage_dir(0, "update"))["timings"]["startup"] == 0.0
 
 
-def _task_pid(run: RunDir, task: int, timeout: float = 300) -> int:
-    """The pid of task `task` of the run's resident job (from the submitit task's environment)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit():
-                continue
-            try:
-                env = (proc / "environ").read_bytes().split(b"\0")
-                cmd = (proc / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"submitit.core._submit" in cmd and str(run.logs).encode() in cmd and \
-                    f"SUBMITIT_LOCAL_GLOBALID={task}".encode() in env:
-                return int(proc.name)
-        time.sleep(0.5)
-    raise AssertionError(f"no task {task} of a resident job of {run.root}")
-
-
 def test_killed_generator_stops_the_job_within_seconds_and_the_run_resumes_staged(write_experiment):
     path = write_experiment("kill", run={"iterations": 3}, executor={**RESIDENT, "checkpoint_every": 2})
     exp = config.load(path)
@@ -168,7 +150,7 @@ def test_killed_generator_stops_the_job_within_seconds_and_the_run_resumes_stage
         while not commit.is_committed(run.stage_dir(0, "update")):
             assert proc.poll() is None and time.time() < deadline
             time.sleep(0.2)
-        os.kill(_task_pid(run, exp.update.world_size), signal.SIGKILL)  # the generator
+        os.kill(task_pid(run.logs, exp.update.world_size), signal.SIGKILL)  # the generator
         killed = time.time()
         out, _ = proc.communicate(timeout=60)
         stopped = time.time() - killed
@@ -178,7 +160,7 @@ def test_killed_generator_stops_the_job_within_seconds_and_the_run_resumes_stage
     assert stopped < 30, stopped
     assert "generator (task 1) stopped responding" in out, out[-3000:]
     with pytest.raises(AssertionError):  # the trainer is gone too: no survivor holds the allocation
-        _task_pid(run, 0, timeout=1)
+        task_pid(run.logs, 0, timeout=1)
 
     # Continue in the staged mode: iteration 0's update saved no policy (checkpoint_every = 2), so it
     # is moved aside and redone; nothing committed is overwritten.

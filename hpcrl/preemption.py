@@ -1,0 +1,92 @@
+"""Saving a long update's progress on Slurm's pre-timeout / preemption signal, and resuming it.
+
+Slurm signals a job (USR2, `--signal` set by submitit) some time before its time limit or when
+it is preempted. submitit's own handler would requeue at once, losing the update's work so far.
+During an update stage, `Guard` takes the signal instead: it only records it. Between optimizer
+steps the update asks `guard.should_stop()` (all ranks agree, so they stop at the same step),
+saves its DeepSpeed state and progress into the stage's partial directory, and hands the signal
+back to submitit, which requeues the job. The requeued update loads the partial state and goes on
+from the next step, with the same result as an uninterrupted one. The partial directory is not a
+committed output: the stage commit removes it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.commit import partial_dir
+
+PROGRESS = "progress.pt"
+
+
+class Guard:
+    """Within `with Guard():`, the preemption signal is recorded instead of acted on."""
+
+    def __init__(self, signum: int = signal.SIGUSR2):
+        self.signum, self.requested, self._previous = signum, False, None
+
+    def __enter__(self) -> Guard:
+        self._previous = signal.signal(self.signum, self._record)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(self.signum, self._previous)
+
+    def _record(self, signum, frame) -> None:
+        print(f"[update] caught signal {signal.Signals(signum).name}: saving progress at the next step", flush=True)
+        self.requested = True
+
+    def should_stop(self) -> bool:
+        flag = torch.tensor([float(self.requested)])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def hand_over(self) -> None:
+        """Let submitit requeue the job (rank 0) and end this process."""
+        if dist.is_initialized():
+            dist.barrier()
+        previous = self._previous
+        signal.signal(self.signum, previous)
+        if callable(previous):
+            previous(self.signum, None)  # submitit: checkpoint, requeue and exit (rank 0)
+        raise SystemExit(-1)
+
+
+def save_progress(engine, stage_dir: Path, rank: int, progress: dict) -> Path:
+    """DeepSpeed state (every rank) and progress (rank 0) into the partial directory."""
+    from hpcrl import trainer
+
+    final = partial_dir(stage_dir)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if dist.is_initialized():
+        dist.barrier()
+    engine.save_checkpoint(str(tmp / "trainer"), tag=trainer.DS_TAG)
+    if rank == 0:
+        torch.save(progress, tmp / PROGRESS)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    if dist.is_initialized():
+        dist.barrier()
+    return final
+
+
+def load_progress(engine, stage_dir: Path) -> dict | None:
+    """The saved progress of an interrupted update (engine state restored), or None."""
+    from hpcrl import trainer
+
+    d = partial_dir(stage_dir)
+    if not (d / PROGRESS).is_file():
+        return None
+    path, _ = engine.load_checkpoint(str(d / "trainer"), tag=trainer.DS_TAG)
+    if path is None:
+        raise RuntimeError(f"{d}: progress without DeepSpeed state")
+    return torch.load(d / PROGRESS, weights_only=False)
