@@ -93,7 +93,7 @@ def submit(experiment: Path, foreground: bool, dry_run: bool) -> None:
 
 @main.command("sbatch")
 @click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--stage", type=click.Choice(["generate", "score", "update"]), help="A stage script instead of the controller's.")
+@click.option("--stage", type=click.Choice(["generate", "score", "update", "resident"]), help="A stage script (or the resident job's) instead of the controller's.")
 @click.option("--iteration", type=int, default=0, show_default=True)
 def sbatch_cmd(experiment: Path, stage: str | None, iteration: int) -> None:
     """Print the exact sbatch script of the controller or of one stage (creates the run directory,
@@ -102,7 +102,8 @@ def sbatch_cmd(experiment: Path, stage: str | None, iteration: int) -> None:
 
     exp, run, _ = _prepare(experiment)
     try:
-        click.echo(sbatch.render(run, exp, stage or "controller", iteration if stage else None), nl=False)
+        k = iteration if stage in ("generate", "score", "update") else None
+        click.echo(sbatch.render(run, exp, stage or "controller", k), nl=False)
     except ConfigError as err:
         _fail(str(err))
 

@@ -28,6 +28,9 @@ def export_env() -> None:
         env = submitit.helpers.TorchDistributedEnvironment()  # MASTER_PORT from the environment if set
     except RuntimeError:  # not inside a submitit job
         env = None
+    if env is None and "SLURM_PROCID" in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ:
+        _export_from_srun()  # a task of `srun` in a script submitted by hand
+        return
     if env is not None:
         os.environ.update(MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port), RANK=str(env.rank),
                           WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank),
@@ -35,6 +38,17 @@ def export_env() -> None:
         return
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+def _export_from_srun() -> None:
+    import subprocess
+
+    first = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_STEP_NODELIST"]],
+                           capture_output=True, text=True, check=True).stdout.split()[0]
+    tasks, nodes = int(os.environ["SLURM_STEP_NUM_TASKS"]), int(os.environ.get("SLURM_STEP_NUM_NODES", "1"))
+    os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=str(tasks),
+                      LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"), LOCAL_WORLD_SIZE=str(tasks // nodes),
+                      MASTER_ADDR=first, MASTER_PORT=str(20000 + int(os.environ["SLURM_JOB_ID"]) % 40000))
 
 
 def init(timeout_s: float = 1800) -> tuple[int, int]:

@@ -114,7 +114,7 @@ class Trainer:
                                 world_size=world)
         self.version = run.latest_saved_version()
         self.actor = Actor.for_version(exp, run, self.version, rank, world)
-        self.sender = None
+        self.sender, self.last_probe = None, None
         if rank == 0 and exp.executor.weight_sync == "process_group":
             pg = weight_sync.group_on(plane.store, 0, 2, exp.executor.collective_timeout_s, _backend())
             device = str(self.actor.engine.device) if _backend() == "nccl" else "cpu"
@@ -131,7 +131,8 @@ class Trainer:
         dist.destroy_process_group()
 
     def _update(self, k: int, checkpoint: bool, probe: list[list[int]]) -> None:
-        old = self.actor.sequence_logprobs(probe)
+        # the probe under the current weights: the previous update's "new", or computed once
+        old = self.last_probe if self.last_probe is not None else self.actor.sequence_logprobs(probe)
 
         def body(ctx):
             self.actor.update(ctx)
@@ -139,7 +140,7 @@ class Trainer:
                 self.actor.save(ctx)
 
         run_stage("update", self.run.root, k, body, self.rank, self.exp.update.world_size, startup=0.0)
-        new = self.actor.sequence_logprobs(probe)
+        new = self.last_probe = self.actor.sequence_logprobs(probe)
         t0 = time.perf_counter()
         reply = {"probe_old": old, "probe_new": new}
         with self.actor.full_parameters() as params:  # every rank gathers (ZeRO-3); rank 0 sends
@@ -233,3 +234,16 @@ class Generator:
         nbytes = float(received.get("bytes") or reply.get("bytes") or 0)
         self.sync_metrics = {**metrics, "sync/seconds": sync_s, "sync/bytes": nbytes,
                              "sync/gb_per_s": nbytes / max(sync_s, 1e-9) / 1e9}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`srun python -m hpcrl.resident --run-dir R`: one task of a resident job started by hand."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m hpcrl.resident", description=main.__doc__)
+    parser.add_argument("--run-dir", required=True)
+    ResidentCall(parser.parse_args(argv).run_dir)()
+
+
+if __name__ == "__main__":
+    main()

@@ -50,14 +50,15 @@ def _env() -> jinja2.Environment:
 
 
 def render(run: RunDir, exp: Experiment, role: str, iteration: int | None = None) -> str:
-    """The script of the controller (role "controller") or of one stage of one iteration."""
+    """The script of the controller, of the resident job (role "resident") or of one stage of one iteration."""
+    run.logs.mkdir(parents=True, exist_ok=True)  # the scripts' --output folder must exist at submission
     params = executors.slurm_parameters(exp, role, run.root.name)
     if iteration is not None:
         params["job_name"] += f"-{iteration}"
     ctx = {"directives": directives(params, run.logs), "python": shlex.quote(sys.executable),
            "run_dir": repr(str(run.root)), "run_dir_q": shlex.quote(str(run.root))}
-    if role == "controller":
-        return _env().get_template("controller.sbatch.j2").render(**ctx)
+    if role in ("controller", "resident"):
+        return _env().get_template(f"{role}.sbatch.j2").render(**ctx)
     return _env().get_template("stage.sbatch.j2").render(stage=role, iteration=iteration, **ctx)
 
 
@@ -68,6 +69,10 @@ def write_all(run: RunDir, exp: Experiment) -> list[Path]:
     run.logs.mkdir(exist_ok=True)
     paths = [out / "controller.sbatch"]
     paths[0].write_text(render(run, exp, "controller"))
+    if exp.executor.mode == "resident":
+        paths.append(out / "resident.sbatch")
+        paths[1].write_text(render(run, exp, "resident"))
+        return paths
     for k, stage in plan.all_stages(exp):
         path = out / f"iter_{k:06d}-{stage}.sbatch"
         path.write_text(render(run, exp, stage, k))

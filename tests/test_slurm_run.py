@@ -252,3 +252,15 @@ def test_the_demo_experiment_on_slurm_equals_the_local_resident_run(tmp_path):
         assert row["State"] == "COMPLETED"
         assert row["Partition"] == SLURM[j["role"]]["partition"]
         assert int(row["AllocCPUS"]) == SLURM[j["role"]]["cpus_per_task"]
+
+
+def test_resident_sbatch_script_submitted_by_hand_runs_the_whole_run(tmp_path, tiny_task):
+    spec = {"kind": "slurm", "mode": "resident", "resident": {"partition": "debug", "nodes": 2, "cpus_per_task": 1}}
+    path = _write(tmp_path, tiny_task, "byhand-resident", executor=spec, run={"iterations": 1, "eval_every": 0})
+    script = subprocess.run([sys.executable, "-m", "hpcrl.cli", "sbatch", str(path), "--stage", "resident"],
+                            capture_output=True, text=True)
+    assert script.returncode == 0, script.stderr
+    assert "#SBATCH --nodes=2" in script.stdout and "-m hpcrl.resident --run-dir" in script.stdout
+    (tmp_path / "resident.sbatch").write_text(script.stdout)
+    subprocess.run(["sbatch", str(tmp_path / "resident.sbatch")], check=True, cwd=tmp_path, capture_output=True)
+    _wait_complete(RunDir.at(tmp_path / "runs" / "byhand-resident"), timeout=600)
