@@ -95,3 +95,32 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         next_value = m * values[:, t].to(torch.float64) + (1 - m) * next_value
         advantages[:, t] = m * last
     return advantages.to(rewards.dtype), (advantages + values * mask).to(rewards.dtype)
+
+
+def token_rewards(outcome: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
+                  kl_coef: float = 0.0) -> torch.Tensor:
+    """Per-token rewards for GAE ([batch, tokens]): -kl_coef * kl on every response token, plus
+    the outcome reward of the sample on its last response token (Ziegler et al. 2019).
+
+    A row without response tokens gets no reward. Positions outside `mask` are 0.
+    """
+    mask = mask.to(torch.float64)
+    rewards = torch.zeros_like(mask)
+    if kl is not None and kl_coef:
+        rewards = -kl_coef * kl.to(torch.float64) * mask
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    last = torch.where(mask > 0, positions, torch.full_like(positions, -1)).max(dim=1).values
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    rewards[rows, last[rows]] += outcome.to(torch.float64)[rows]
+    return rewards
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the masked entries (unbiased var, as verl and TRL);
+    positions outside `mask` are 0."""
+    m = mask.to(torch.float64)
+    x = values.to(torch.float64)
+    n = m.sum()
+    mean = (x * m).sum() / n.clamp(min=1)
+    var = (((x - mean) * m) ** 2).sum() / (n - 1).clamp(min=1)
+    return ((x - mean) * torch.rsqrt(var + eps) * m).to(values.dtype)
