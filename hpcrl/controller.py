@@ -29,7 +29,9 @@ def iteration_line(exp: Experiment, run: RunDir, k: int) -> str:
     """One line per iteration: reward, validation score, KL, stage times."""
     manifests = {s: commit.read_manifest(run.stage_dir(k, s)) for s in plan.stages_of(exp, k)}
     metrics = {key: v for m in manifests.values() if m for key, v in m["metrics"].items()}
-    kl_key = "actor/kl_loss" if exp.algorithm.kl_coef > 0 else "actor/ppo_kl"
+    a = exp.algorithm
+    kl_key = ("actor/ppo_kl" if a.kl_coef <= 0 else "actor/reward_kl_penalty" if a.kl_mode == "reward"
+              else "actor/kl_loss")
     parts = [f"iter {k:>4}/{exp.run.iterations}"]
     for label, key, fmt in (("reward", "critic/score/mean", ".3f"), ("val", "val/score", ".3f"),
                             ("kl", kl_key, ".2e"), ("len", "response_length/mean", ".1f")):
