@@ -153,3 +153,9 @@ def test_ppo_only_keys_and_kl_controller_need_their_algorithm(write_experiment):
     exp = config.load(write_experiment(algorithm={"name": "ppo", "group_size": 1, "prompts_per_iteration": 16,
                                                   "kl_mode": "reward", "kl_coef": 0.05, "kl_target": 1.0}))
     assert exp.algorithm.kl_mode == "reward"
+
+
+def test_a_critic_path_without_a_model_is_refused(write_experiment, tmp_path):
+    path = write_experiment(algorithm={"name": "ppo", "critic_path": str(tmp_path / "no-critic")})
+    with pytest.raises(ConfigError, match=r"algorithm\.critic_path: .*no-critic: not an HF model directory"):
+        _load_checked(path)
