@@ -8,6 +8,10 @@ decorated function here plus its test. No I/O here.
 | grpo | (r_i - mean_g) / (std_g + eps); without the division (norm_by_std false) it is Dr.GRPO | Shao et al. 2024; Liu et al. 2025 |
 | rloo | r_i - mean of the other samples of g | Ahmadian et al. 2024 |
 | reinforce_pp | r_i - mean_g, then whitened over the whole batch | Hu 2025 (REINFORCE++-baseline) |
+
+PPO with a critic (`algorithm.name = "ppo"`, not in the registry: it needs values) uses the
+token-level functions at the end: `token_rewards` (outcome on the last token, KL penalty on every
+token), `gae` (Schulman et al. 2016) and `masked_whiten`; hpcrl.critic.gae_targets chains them.
 """
 
 from __future__ import annotations
