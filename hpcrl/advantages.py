@@ -8,6 +8,10 @@ decorated function here plus its test. No I/O here.
 | grpo | (r_i - mean_g) / (std_g + eps); without the division (norm_by_std false) it is Dr.GRPO | Shao et al. 2024; Liu et al. 2025 |
 | rloo | r_i - mean of the other samples of g | Ahmadian et al. 2024 |
 | reinforce_pp | r_i - mean_g, then whitened over the whole batch | Hu 2025 (REINFORCE++-baseline) |
+
+PPO with a critic (`algorithm.name = "ppo"`, not in the registry: it needs values) uses the
+token-level functions at the end: `token_rewards` (outcome on the last token, KL penalty on every
+token), `gae` (Schulman et al. 2016) and `masked_whiten`; hpcrl.critic.gae_targets chains them.
 """
 
 from __future__ import annotations
@@ -95,3 +99,32 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         next_value = m * values[:, t].to(torch.float64) + (1 - m) * next_value
         advantages[:, t] = m * last
     return advantages.to(rewards.dtype), (advantages + values * mask).to(rewards.dtype)
+
+
+def token_rewards(outcome: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
+                  kl_coef: float = 0.0) -> torch.Tensor:
+    """Per-token rewards for GAE ([batch, tokens]): -kl_coef * kl on every response token, plus
+    the outcome reward of the sample on its last response token (Ziegler et al. 2019).
+
+    A row without response tokens gets no reward. Positions outside `mask` are 0.
+    """
+    mask = mask.to(torch.float64)
+    rewards = torch.zeros_like(mask)
+    if kl is not None and kl_coef:
+        rewards = -kl_coef * kl.to(torch.float64) * mask
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    last = torch.where(mask > 0, positions, torch.full_like(positions, -1)).max(dim=1).values
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    rewards[rows, last[rows]] += outcome.to(torch.float64)[rows]
+    return rewards
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the masked entries (unbiased var, as verl and TRL);
+    positions outside `mask` are 0."""
+    m = mask.to(torch.float64)
+    x = values.to(torch.float64)
+    n = m.sum()
+    mean = (x * m).sum() / n.clamp(min=1)
+    var = (((x - mean) * m) ** 2).sum() / (n - 1).clamp(min=1)
+    return ((x - mean) * torch.rsqrt(var + eps) * m).to(values.dtype)

@@ -61,15 +61,24 @@ class DataConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    name: Literal["grpo", "rloo", "reinforce_pp"] = Field("grpo", description="Advantage estimator (hpcrl/advantages.py): grpo, rloo or reinforce_pp.")
-    group_size: int = Field(8, ge=2, description="Samples per prompt (the GRPO group).")
+    name: Literal["grpo", "rloo", "reinforce_pp", "ppo"] = Field("grpo", description="Advantage estimator (hpcrl/advantages.py): grpo, rloo or reinforce_pp from outcome rewards and groups; ppo: GAE with a learned critic (hpcrl/critic.py).")
+    group_size: int = Field(8, ge=1, description="Samples per prompt (the GRPO group; 1 only with ppo).")
     prompts_per_iteration: int = Field(32, ge=1, description="Prompts drawn per iteration.")
-    norm_adv_by_std: bool = Field(True, description="Divide group-centred rewards by the group's std (False: Dr.GRPO).")
+    norm_adv_by_std: bool = Field(True, description="Divide group-centred rewards by the group's std (False: Dr.GRPO); ppo: whiten the token advantages over the batch.")
     clip_ratio: float = Field(0.2, gt=0, description="PPO clip range epsilon (the lower side when clip_ratio_high is set).")
     clip_ratio_high: float = Field(0.0, ge=0, description="Upper clip range (clip-higher, e.g. 0.28); 0: same as clip_ratio.")
     dual_clip_c: float = Field(0.0, ge=0, description="Dual-clip constant c > 1 capping the loss of negative advantages; 0: off.")
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference policy (0: no reference).")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator for the penalty.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference policy (0: no reference); the adaptive controller's initial value.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator for the penalty (k1, the log ratio, is the classic per-token reward penalty).")
+    kl_mode: Literal["loss", "reward"] = Field("loss", description="Where the KL penalty goes: a loss term, or (ppo) a per-token reward -kl_coef * KL before GAE.")
+    kl_target: float = Field(0.0, ge=0, description="Target KL per sample (summed over its tokens) of the adaptive KL controller (Ziegler et al. 2019); 0: fixed kl_coef.")
+    kl_horizon: float = Field(10000.0, gt=0, description="Horizon (in samples) of the adaptive KL controller.")
+    gamma: float = Field(1.0, ge=0, le=1, description="ppo: discount factor of GAE.")
+    lam: float = Field(0.95, ge=0, le=1, description="ppo: GAE lambda.")
+    critic_path: PathStr = Field("", description="ppo: initial critic: a critic saved by hpcrl (update/critic) or any HF model directory (its backbone, a new value head); empty: the policy's model.path.")
+    critic_lr: float = Field(1e-5, gt=0, description="ppo: AdamW learning rate of the critic (weight decay, grad clip, ZeRO stage as in [update]).")
+    value_clip: float = Field(0.2, ge=0, description="ppo: a value may move at most this far from the rollout's value before its error stops counting (0: no clipping).")
+    critic_warmup: int = Field(0, ge=0, description="ppo: train only the critic during the first N iterations (the policy does not change).")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus in the loss (0: none).")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field("token-mean", description="Loss aggregation (hpcrl/losses.py).")
     dynamic_sampling: bool = Field(False, description="DAPO dynamic sampling (hpcrl/dynamic_sampling.py): sample prompts in rounds and train on groups whose rewards are not all equal, prompts_per_iteration of them.")
@@ -239,6 +248,18 @@ def parse(data: dict[str, Any], source: str, base_dir: Path) -> Experiment:
         raise ConfigError(f"{source}: invalid config:\n  {lines}") from None
     if 0 < exp.algorithm.dual_clip_c <= 1:
         raise ConfigError(f"{source}: algorithm.dual_clip_c: expected 0 (off) or a value above 1, got {exp.algorithm.dual_clip_c}")
+    a = exp.algorithm
+    if a.group_size < 2 and a.name != "ppo":
+        raise ConfigError(f"{source}: algorithm.group_size: {a.name} compares samples of one prompt: expected at least 2, "
+                          f"got {a.group_size}")
+    if a.name != "ppo":
+        used = [k for k in ("critic_path", "critic_warmup") if getattr(a, k)] + (["kl_mode"] if a.kl_mode == "reward" else [])
+        if used:
+            raise ConfigError(f"{source}: algorithm.{used[0]}: only algorithm.name = \"ppo\" has a critic and "
+                              f"token-level rewards (name is {a.name!r})")
+    if a.kl_target > 0 and a.kl_coef <= 0:
+        raise ConfigError(f"{source}: algorithm.kl_target: the adaptive KL controller starts from algorithm.kl_coef, "
+                          "which is 0 (no KL penalty); set kl_coef > 0")
     if exp.reward.overlong_buffer > exp.generate.max_tokens:
         raise ConfigError(f"{source}: reward.overlong_buffer: expected at most generate.max_tokens = "
                           f"{exp.generate.max_tokens}, got {exp.reward.overlong_buffer}")

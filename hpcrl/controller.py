@@ -29,7 +29,9 @@ def iteration_line(exp: Experiment, run: RunDir, k: int) -> str:
     """One line per iteration: reward, validation score, KL, stage times."""
     manifests = {s: commit.read_manifest(run.stage_dir(k, s)) for s in plan.stages_of(exp, k)}
     metrics = {key: v for m in manifests.values() if m for key, v in m["metrics"].items()}
-    kl_key = "actor/kl_loss" if exp.algorithm.kl_coef > 0 else "actor/ppo_kl"
+    a = exp.algorithm
+    kl_key = ("actor/ppo_kl" if a.kl_coef <= 0 else "actor/reward_kl_penalty" if a.kl_mode == "reward"
+              else "actor/kl_loss")
     parts = [f"iter {k:>4}/{exp.run.iterations}"]
     for label, key, fmt in (("reward", "critic/score/mean", ".3f"), ("val", "val/score", ".3f"),
                             ("kl", kl_key, ".2e"), ("len", "response_length/mean", ".1f")):
@@ -39,22 +41,27 @@ def iteration_line(exp: Experiment, run: RunDir, k: int) -> str:
 
 
 def summary(exp: Experiment, run: RunDir) -> str:
-    """How the reward and the validation score moved over the run."""
-    def series(key: str) -> list[float]:
+    """How the reward and the validation score (and PPO's explained variance) moved over the run."""
+    def series(key: str, stage: str = "score") -> list[float]:
         values = []
         for k, s in plan.all_stages(exp):
-            m = commit.read_manifest(run.stage_dir(k, s)) if s == "score" else None
+            m = commit.read_manifest(run.stage_dir(k, s)) if s == stage else None
             if m and key in m["metrics"]:
                 values.append(m["metrics"][key])
         return values
 
     reward, val = series("critic/score/mean"), series("val/score")
+    ev = [x for x in series("critic/explained_variance", "update") if x == x]  # NaN: the returns did not vary
     parts = []
     if reward:
         last = reward[-3:]
         parts.append(f"reward {reward[0]:.3f} (first iteration) -> {sum(last) / len(last):.3f} (mean of last {len(last)})")
     if val:
         parts.append(f"val/score {val[0]:.3f} -> {val[-1]:.3f}")
+    if ev:
+        last = ev[-3:]
+        parts.append(f"critic/explained_variance {ev[0]:.3f} -> max {max(ev):.3f} -> {sum(last) / len(last):.3f} "
+                     f"(mean of last {len(last)})")
     return "; ".join(parts)
 
 

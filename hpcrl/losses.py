@@ -122,3 +122,45 @@ def ppo_clip(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
         clipfrac = token_mean((clipped > unclipped).float(), mask)
         ppo_kl = token_mean(-log_ratio, mask)
     return PolicyLoss(loss, pg_loss.detach(), clipfrac, ppo_kl, kl_ref)
+
+
+@dataclass
+class ValueLoss:
+    loss: torch.Tensor  # to backpropagate
+    clipfrac: torch.Tensor  # share of tokens where the clipped error was the larger one
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip: float = 0.0, n_tokens: float | None = None, agg: str = "token-mean",
+               n_seqs: float | None = None) -> ValueLoss:
+    """The critic's loss 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clamp(V - V_old, ±clip).
+
+    PPO's value clipping (as in OpenAI baselines' ppo2 and verl): a value may move at most `clip`
+    from the value the rollout was scored with before its error stops counting; `clip` 0 is the
+    plain squared error. Aggregated like the policy loss (`agg` over the mini-batch totals
+    `n_tokens`/`n_seqs`); `clipfrac` is a token mean over this call's masked tokens.
+    """
+    err = (values.float() - returns) ** 2
+    if clip > 0:
+        clipped = old_values + torch.clamp(values.float() - old_values, -clip, clip)
+        err_clipped = (clipped - returns) ** 2
+        tokens = torch.maximum(err, err_clipped)
+        with torch.no_grad():
+            clipfrac = token_mean((err_clipped > err).float(), mask)
+    else:
+        tokens = err
+        clipfrac = torch.zeros((), dtype=err.dtype)
+    return ValueLoss(0.5 * aggregate(tokens, mask, agg, n_tokens, n_seqs), clipfrac)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over the masked tokens: 1 for a perfect critic, 0 for one that
+    predicts the mean, below 0 for worse; NaN when the returns do not vary."""
+    m = mask.bool()
+    r, v = returns[m].double(), values[m].double()
+    if r.numel() == 0:
+        return float("nan")
+    var_r = r.var(unbiased=False)
+    if var_r == 0:
+        return float("nan")
+    return float(1.0 - (r - v).var(unbiased=False) / var_r)

@@ -58,8 +58,8 @@ class Guard:
         raise SystemExit(-1)
 
 
-def save_progress(engine, stage_dir: Path, rank: int, progress: dict) -> Path:
-    """DeepSpeed state (every rank) and progress (rank 0) into the partial directory."""
+def save_progress(engines: dict, stage_dir: Path, rank: int, progress: dict) -> Path:
+    """The DeepSpeed state of each engine (every rank) and progress (rank 0) into the partial directory."""
     from hpcrl import trainer
 
     final = partial_dir(stage_dir)
@@ -69,7 +69,8 @@ def save_progress(engine, stage_dir: Path, rank: int, progress: dict) -> Path:
         tmp.mkdir(parents=True)
     if dist.is_initialized():
         dist.barrier()
-    engine.save_checkpoint(str(tmp / "trainer"), tag=trainer.DS_TAG)
+    for name, engine in engines.items():
+        engine.save_checkpoint(str(tmp / name), tag=trainer.DS_TAG)
     if rank == 0:
         torch.save(progress, tmp / PROGRESS)
         shutil.rmtree(final, ignore_errors=True)
@@ -79,14 +80,15 @@ def save_progress(engine, stage_dir: Path, rank: int, progress: dict) -> Path:
     return final
 
 
-def load_progress(engine, stage_dir: Path) -> dict | None:
-    """The saved progress of an interrupted update (engine state restored), or None."""
+def load_progress(engines: dict, stage_dir: Path) -> dict | None:
+    """The saved progress of an interrupted update (the engines' state restored), or None."""
     from hpcrl import trainer
 
     d = partial_dir(stage_dir)
     if not (d / PROGRESS).is_file():
         return None
-    path, _ = engine.load_checkpoint(str(d / "trainer"), tag=trainer.DS_TAG)
-    if path is None:
-        raise RuntimeError(f"{d}: progress without DeepSpeed state")
+    for name, engine in engines.items():
+        path, _ = engine.load_checkpoint(str(d / name), tag=trainer.DS_TAG)
+        if path is None:
+            raise RuntimeError(f"{d}: progress without the DeepSpeed state of the {name}")
     return torch.load(d / PROGRESS, weights_only=False)

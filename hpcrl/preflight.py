@@ -19,6 +19,13 @@ def _check_model(exp: Experiment) -> tuple[list[str], dict | None]:
     return [], json.loads(cfg_file.read_text())
 
 
+def _check_critic(exp: Experiment) -> list[str]:
+    path = exp.algorithm.critic_path
+    if exp.algorithm.name == "ppo" and path and not (Path(path) / "config.json").is_file():
+        return [f"algorithm.critic_path: {path}: not an HF model directory (no config.json)"]
+    return []
+
+
 def _check_tokenizer(exp: Experiment, model_cfg: dict | None):
     from transformers import AutoTokenizer
 
@@ -137,7 +144,8 @@ def check(exp: Experiment, source: str) -> list[str]:
     problems, model_cfg = _check_model(exp)
     tok_problems, tok = _check_tokenizer(exp, model_cfg)
     data_problems, notes = _check_data(exp, tok)
-    problems += tok_problems + data_problems + _check_rewards(exp) + _check_batch(exp) + _check_slurm(exp)
+    problems += (tok_problems + data_problems + _check_critic(exp) + _check_rewards(exp) + _check_batch(exp)
+                 + _check_slurm(exp))
     if problems:
         raise ConfigError(f"{source}: the experiment cannot run:\n  " + "\n  ".join(problems))
     return notes + _dynamic_sampling_notes(exp)

@@ -8,7 +8,8 @@
       logs/                   one folder per stage job
 
 Policy version 0 is the configured base model; version v > 0 is written, with the DeepSpeed
-state that produced it, by the update stage of iteration v - 1 and committed with it. The staged
+state that produced it (and, for PPO, the critic trained with it: `critic/`, its DeepSpeed state
+in `trainer/critic/`), by the update stage of iteration v - 1 and committed with it. The staged
 mode saves every version; the resident mode saves every `executor.checkpoint_every`-th (and the
 last), so there a committed update may hold no `policy/`. A run continues from its latest saved
 version: stages committed after it are moved aside (`rollback`), never overwritten.
@@ -69,6 +70,18 @@ class RunDir:
     def trainer_state_dir(self, version: int) -> Path | None:
         """DeepSpeed state that produced `version` (None for the base model)."""
         return None if version == 0 else self.stage_dir(version - 1, "update") / "trainer"
+
+    def critic_dir(self, version: int, initial: str | os.PathLike) -> Path:
+        """PPO's critic trained alongside a policy version (HF-style backbone + value_head.safetensors);
+        for version 0, `initial` (algorithm.critic_path, else the base model)."""
+        if version == 0:
+            return Path(initial)
+        return self.stage_dir(version - 1, "update") / "critic"
+
+    def critic_state_dir(self, version: int) -> Path | None:
+        """The critic's DeepSpeed state (inside the trainer state, not checksummed); None for version 0."""
+        state = self.trainer_state_dir(version)
+        return None if state is None else state / "critic"
 
     def has_policy(self, version: int) -> bool:
         """Whether the weights of `version` were saved (always for 0, the base model)."""

@@ -10,8 +10,9 @@ from __future__ import annotations
 import pyarrow as pa
 
 SCHEMA_VERSION = 2
-# v2: rollouts gained `round` and `kept` (dynamic sampling, hpcrl/dynamic_sampling.py). Readers
-# take v1 rollouts, which lack them, as round 0 with every training row kept.
+# v2: rollouts gained `round` and `kept` (dynamic sampling, hpcrl/dynamic_sampling.py), the update
+# its PPO columns (token advantages, values, returns, critic stats). Readers take v1 rollouts, which
+# lack `round` and `kept`, as round 0 with every training row kept.
 
 # The key of one sample across the generate, score and update outputs.
 SAMPLE_KEYS = ("split", "prompt_index", "sample_index")
@@ -53,9 +54,15 @@ ADVANTAGES = pa.schema(
         pa.field("split", pa.string(), nullable=False),
         pa.field("prompt_index", pa.int64(), nullable=False),
         pa.field("sample_index", pa.int32(), nullable=False),
-        pa.field("advantage", pa.float32(), nullable=False),
+        pa.field("advantage", pa.float32(), nullable=False),  # ppo: the mean of token_advantages
         pa.field("old_logprobs", pa.list_(pa.float32()), nullable=False),  # recomputed by the trainer
         pa.field("ref_logprobs", pa.list_(pa.float32())),  # null when no KL to a reference is used
+        # ppo only (null otherwise), one per response token: the advantages the policy loss used
+        # (GAE, whitened with norm_adv_by_std), the critic's values before the update, and the
+        # GAE returns its loss regressed on. Absent from schema v1 files.
+        pa.field("token_advantages", pa.list_(pa.float32())),
+        pa.field("values", pa.list_(pa.float32())),
+        pa.field("returns", pa.list_(pa.float32())),
     ]
 )
 
@@ -73,6 +80,10 @@ UPDATE_STATS = pa.schema(
         pa.field("grad_norm", pa.float64()),
         pa.field("lr", pa.float64()),
         pa.field("tokens", pa.int64()),
+        # ppo only (null otherwise; the policy columns are null during algorithm.critic_warmup)
+        pa.field("vf_loss", pa.float64()),
+        pa.field("vf_clipfrac", pa.float64()),
+        pa.field("vf_grad_norm", pa.float64()),
     ]
 )
 

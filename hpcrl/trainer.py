@@ -1,4 +1,4 @@
-"""The GRPO update with DeepSpeed: batch building, old/reference logprobs, PPO steps, saving.
+"""The policy update with DeepSpeed: batch building, old/reference logprobs, PPO steps, saving.
 
 Every rank holds the whole (small) rollout table and takes its own slice of each mini-batch;
 losses are normalised by the mini-batch's global token count, so the update does not depend on
@@ -164,13 +164,39 @@ def padded(rows_values: dict[int, list[float]], mb: MicroBatch) -> torch.Tensor:
     return t
 
 
+def response_mask(lengths: list[int]) -> torch.Tensor:
+    """[samples, longest response] 0/1 mask of the response tokens."""
+    mask = torch.zeros((len(lengths), max(lengths, default=0)), dtype=torch.float64)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1.0
+    return mask
+
+
+def pad_rows(rows_values: dict[int, list[float]], mask: torch.Tensor) -> torch.Tensor:
+    """Per-row response values as a [samples, longest response] tensor (float64, 0 past each)."""
+    t = torch.zeros_like(mask, dtype=torch.float64)
+    for i, values in rows_values.items():
+        t[i, : len(values)] = torch.tensor(values, dtype=torch.float64)
+    return t
+
+
+def unpad_rows(values: torch.Tensor, mask: torch.Tensor) -> dict[int, list[float]]:
+    return {i: values[i][mask[i].bool()].tolist() for i in range(values.shape[0])}
+
+
 STAT_NAMES = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_ref", "entropy")
 
 
-def train_step(engine, samples: Samples, mini: list[int], adv: torch.Tensor, old: dict, ref: dict | None,
-               exp: Experiment, pad_id: int, rank: int, world_size: int) -> dict[str, float]:
-    """One optimizer step on one mini-batch; returns its statistics (global token means)."""
+def train_step(engine, samples: Samples, mini: list[int], adv: torch.Tensor | dict[int, list[float]], old: dict,
+               ref: dict | None, exp: Experiment, pad_id: int, rank: int, world_size: int,
+               kl_coef: float | None = None) -> dict[str, float]:
+    """One optimizer step on one mini-batch; returns its statistics (global token means).
+
+    `adv` is one advantage per sample ([samples]) or per-token advantages by row (PPO's GAE);
+    `kl_coef` is the KL loss weight (default algorithm.kl_coef; 0 when the KL is in the reward).
+    """
     a, u = exp.algorithm, exp.update
+    kl_coef = a.kl_coef if kl_coef is None else kl_coef
     n_tokens = sum(len(samples.response_ids[i]) for i in mini)
     mbs = micro_batches(samples, rank_rows(mini, rank, world_size), u.micro_batch_size, pad_id)
     scale = world_size * len(mbs)  # undo DeepSpeed's mean over ranks and micro-batches
@@ -181,8 +207,9 @@ def train_step(engine, samples: Samples, mini: list[int], adv: torch.Tensor, old
         logits = engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
         logp = losses.token_logprobs(logits, mb.targets, temperature)
         token_entropy = losses.entropy(logits) if a.entropy_coef > 0 else None
-        out = losses.ppo_clip(logp, padded(old, mb), adv[mb.index].to(logp.device), mb.mask, a.clip_ratio,
-                              padded(ref, mb) if ref is not None else None, a.kl_coef, a.kl_estimator, n_tokens,
+        mb_adv = padded(adv, mb) if isinstance(adv, dict) else adv[mb.index].to(logp.device)
+        out = losses.ppo_clip(logp, padded(old, mb), mb_adv, mb.mask, a.clip_ratio,
+                              padded(ref, mb) if ref is not None else None, kl_coef, a.kl_estimator, n_tokens,
                               clip_high=a.clip_ratio_high or None, dual_clip_c=a.dual_clip_c or None,
                               agg=a.loss_agg, n_seqs=len(mini), token_entropy=token_entropy,
                               entropy_coef=a.entropy_coef)

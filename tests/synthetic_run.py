@@ -192,12 +192,14 @@ def commit_update(run: RunDir, exp: Experiment, k: int, rollouts: pa.Table, scor
         "pg_clipfrac": 0.02 * decay + 0.005 * rng.random(steps), "ppo_kl": 2e-3 * decay + 5e-4 * rng.random(steps),
         "kl_ref": (1e-2 * (1 - decay) + 1e-3 * rng.random(steps)) if exp.algorithm.kl_coef > 0 else np.zeros(steps),
         "entropy": 0.3 * decay + 0.05 * rng.random(steps), "grad_norm": 1 + 2 * rng.random(steps),
-        "lr": np.full(steps, exp.update.lr), "tokens": np.full(steps, 1000, np.int64)})
+        "lr": np.full(steps, exp.update.lr), "tokens": np.full(steps, 1000, np.int64),
+        **{c: pa.nulls(steps, pa.float64()) for c in ("vf_loss", "vf_clipfrac", "vf_grad_norm")}})
     n = train.num_rows
     advantages = pa.table({**{c: train[c] for c in schemas.SAMPLE_KEYS}, "advantage": adv,
                            "old_logprobs": train["logprobs"],
                            "ref_logprobs": train["logprobs"] if exp.algorithm.kl_coef > 0
-                           else pa.nulls(n, pa.list_(pa.float32()))})
+                           else pa.nulls(n, pa.list_(pa.float32())),
+                           **{c: pa.nulls(n, pa.list_(pa.float32())) for c in ("token_advantages", "values", "returns")}})
     mean = {c: float(np.mean(stats[c].to_numpy())) for c in stats.column_names}
     t = _timings(rng, 15.0)
     m = {"actor/loss": mean["loss"], "actor/pg_loss": mean["pg_loss"], "actor/pg_clipfrac": mean["pg_clipfrac"],

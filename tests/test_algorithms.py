@@ -168,3 +168,105 @@ def test_entropy_bonus_lowers_the_loss_by_its_coefficient():
     out = losses.ppo_clip(logp, logp.clone(), torch.ones(1), torch.ones(1, 2), 0.2, token_entropy=ent, entropy_coef=0.1)
     assert out.pg_loss.item() == pytest.approx(-1.0)  # ratio 1, advantage 1
     assert out.loss.item() == pytest.approx(-1.0 - 0.1 * 1.0)  # token mean entropy 1.0
+
+
+# PPO with a critic: value loss, explained variance, token rewards, GAE on padded batches, KL control.
+
+def test_value_loss_with_clipping_by_hand():
+    values = torch.tensor([[1.0, 0.9, 7.0]])
+    old = torch.tensor([[0.5, 0.5, 0.0]])
+    returns = torch.tensor([[0.0, 1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third token is padding
+    out = losses.value_loss(values, old, returns, mask, clip=0.2)
+    # token 1: (1 - 0)^2 = 1 beats the clipped (0.7 - 0)^2 = 0.49; token 2: (0.9 - 1)^2 = 0.01 loses to
+    # the clipped value 0.5 + 0.2 = 0.7, (0.7 - 1)^2 = 0.09, which counts: a clipped token
+    assert out.loss.item() == pytest.approx(0.5 * (1.0 + 0.09) / 2)
+    assert out.clipfrac.item() == pytest.approx(0.5)
+    plain = losses.value_loss(values, old, returns, mask, clip=0.0)
+    assert plain.loss.item() == pytest.approx(0.5 * (1.0 + 0.01) / 2)
+    assert plain.clipfrac.item() == 0.0
+
+
+def test_value_loss_is_the_same_with_one_or_two_ranks():
+    torch.manual_seed(2)
+    v, old, ret = torch.randn(8, 5), torch.randn(8, 5), torch.randn(8, 5)
+    mask = (torch.rand(8, 5) > 0.3).float()
+    n = mask.sum().item()
+    whole = losses.value_loss(v, old, ret, mask, 0.2, n_tokens=n).loss
+    parts = sum(losses.value_loss(v[i:i + 2], old[i:i + 2], ret[i:i + 2], mask[i:i + 2], 0.2, n_tokens=n).loss
+                for i in range(0, 8, 2))
+    assert parts.item() == pytest.approx(whole.item(), abs=1e-6)
+
+
+def test_explained_variance_by_hand():
+    returns = torch.tensor([[1.0, 0.0, 1.0, 0.0, 5.0]])
+    values = torch.tensor([[1.0, 0.0, 0.5, 0.5, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    # Var(R) = 0.25; residuals (0, 0, 0.5, -0.5) have Var 0.125 -> 1 - 0.5
+    assert losses.explained_variance(values, returns, mask) == pytest.approx(0.5)
+    assert losses.explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    assert losses.explained_variance(torch.full_like(values, 0.5), returns, mask) == pytest.approx(0.0)
+    assert math.isnan(losses.explained_variance(values, torch.ones_like(returns), mask))  # returns do not vary
+
+
+def test_token_rewards_put_the_outcome_on_the_last_token_and_kl_on_every_token():
+    outcome = torch.tensor([1.0, 0.5, 3.0])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    kl = torch.tensor([[0.1, 0.2, 0.3, 9.0], [0.4, 0.5, 9.0, 9.0], [9.0, 9.0, 9.0, 9.0]])
+    r = advantages.token_rewards(outcome, mask, kl, kl_coef=0.5)
+    assert r[0].tolist() == pytest.approx([-0.05, -0.1, -0.15 + 1.0, 0.0])
+    assert r[1].tolist() == pytest.approx([-0.2, -0.25 + 0.5, 0.0, 0.0])
+    assert r[2].tolist() == [0.0] * 4  # no response token: nothing to reward
+    assert advantages.token_rewards(outcome[:2], mask[:2])[0].tolist() == [0.0, 0.0, 1.0, 0.0]
+
+
+def test_gae_on_a_padded_batch_matches_each_row_alone():
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.5, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    values = torch.tensor([[0.5, 0.6, 0.7, 9.0], [0.2, 9.0, 9.0, 9.0]], dtype=torch.float64)  # 9: padding
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    adv, ret = advantages.gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    alone, alone_ret = advantages.gae(rewards[:1, :3], values[:1, :3], mask[:1, :3], gamma=0.9, lam=0.5)
+    assert adv[0, :3].tolist() == pytest.approx(alone[0].tolist())
+    assert ret[0, :3].tolist() == pytest.approx(alone_ret[0].tolist())
+    assert adv[1].tolist() == pytest.approx([0.5 - 0.2, 0.0, 0.0, 0.0])  # one token: r - V, nothing after it
+    assert ret[1].tolist() == pytest.approx([0.5, 0.0, 0.0, 0.0])
+    assert adv[0, 3].item() == 0.0 and ret[0, 3].item() == 0.0  # padding gets nothing
+
+
+def test_masked_whiten_by_hand():
+    x = torch.tensor([[1.0, 2.0, 3.0, 50.0]])
+    out = advantages.masked_whiten(x, torch.tensor([[1.0, 1.0, 1.0, 0.0]]), eps=0.0)
+    assert out[0].tolist() == pytest.approx([-1.0, 0.0, 1.0, 0.0])  # mean 2, unbiased var 1
+
+
+def test_gae_targets_of_an_outcome_reward_with_a_kl_penalty():
+    from hpcrl.config import AlgorithmConfig
+    from hpcrl.critic import gae_targets
+
+    algo = AlgorithmConfig(name="ppo", gamma=1.0, lam=1.0, norm_adv_by_std=False)
+    mask = torch.ones(1, 2, dtype=torch.float64)
+    values = torch.tensor([[0.25, 0.5]], dtype=torch.float64)
+    t = gae_targets(torch.tensor([1.0]), mask, values, torch.tensor([[0.2, 0.4]]), 0.5, algo)
+    # token rewards (-0.1, -0.2 + 1); returns with gamma = lambda = 1 are reward-to-go: (0.7, 0.8)
+    assert t.rewards[0].tolist() == pytest.approx([-0.1, 0.8])
+    assert t.returns[0].tolist() == pytest.approx([0.7, 0.8])
+    assert t.advantages[0].tolist() == pytest.approx([0.7 - 0.25, 0.8 - 0.5])
+
+
+def test_adaptive_kl_controller_by_hand(tmp_path):
+    from hpcrl import kl_control
+    from hpcrl.config import AlgorithmConfig
+
+    # KL twice the target: the error is clipped to +0.2 -> coef * (1 + 0.2 * 10 / 100)
+    assert kl_control.adaptive_kl_coef(0.1, 2.0, 1.0, 100, 10) == pytest.approx(0.102)
+    # KL 10% under target -> coef * (1 - 0.1 * 10 / 100)
+    assert kl_control.adaptive_kl_coef(0.1, 0.9, 1.0, 100, 10) == pytest.approx(0.099)
+    assert kl_control.sequence_kl(torch.tensor([[0.1, 0.2, 5.0], [0.3, 0.0, 0.0]]),
+                                  torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])) == pytest.approx(0.3)
+    adaptive = AlgorithmConfig(name="ppo", kl_coef=0.1, kl_target=1.0, kl_horizon=100)
+    assert kl_control.current_coef(adaptive, None) == 0.1  # the first update starts from kl_coef
+    kl_control.step(adaptive, 0.1, 2.0, 10).save(tmp_path)
+    assert kl_control.current_coef(adaptive, tmp_path) == pytest.approx(0.102)  # the next update reads it
+    fixed = AlgorithmConfig(name="ppo", kl_coef=0.1)
+    assert kl_control.step(fixed, 0.1, 2.0, 10).next_kl_coef == 0.1
+    assert kl_control.current_coef(fixed, tmp_path) == 0.1

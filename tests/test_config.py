@@ -139,3 +139,23 @@ def test_readme_config_reference_is_current():
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert config.reference().rstrip() in readme, "README's config reference is stale: paste `hpcrl config`"
+
+
+def test_ppo_only_keys_and_kl_controller_need_their_algorithm(write_experiment):
+    with pytest.raises(ConfigError, match=r"algorithm\.kl_mode: only algorithm\.name = \"ppo\""):
+        config.load(write_experiment(algorithm={"kl_mode": "reward", "kl_coef": 0.1}))
+    with pytest.raises(ConfigError, match=r"algorithm\.critic_warmup: only algorithm\.name = \"ppo\""):
+        config.load(write_experiment(algorithm={"critic_warmup": 2}))
+    with pytest.raises(ConfigError, match=r"algorithm\.group_size: grpo compares samples of one prompt"):
+        config.load(write_experiment(algorithm={"group_size": 1, "prompts_per_iteration": 16}))
+    with pytest.raises(ConfigError, match=r"algorithm\.kl_target: .*set kl_coef > 0"):
+        config.load(write_experiment(algorithm={"name": "ppo", "kl_target": 1.0}))
+    exp = config.load(write_experiment(algorithm={"name": "ppo", "group_size": 1, "prompts_per_iteration": 16,
+                                                  "kl_mode": "reward", "kl_coef": 0.05, "kl_target": 1.0}))
+    assert exp.algorithm.kl_mode == "reward"
+
+
+def test_a_critic_path_without_a_model_is_refused(write_experiment, tmp_path):
+    path = write_experiment(algorithm={"name": "ppo", "critic_path": str(tmp_path / "no-critic")})
+    with pytest.raises(ConfigError, match=r"algorithm\.critic_path: .*no-critic: not an HF model directory"):
+        _load_checked(path)

@@ -18,7 +18,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from hpcrl import config
-from hpcrl.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 N_TRAIN, N_LONG, N_TEST = 1100, 3, 40
@@ -112,10 +111,10 @@ def test_the_7b_recipe_shards_the_update_with_zero3_over_32_ranks():
     assert exp.model.path.endswith("models/Qwen2.5-7B-Instruct")
 
 
-@pytest.mark.xfail(strict=True, raises=ConfigError, reason="PPO critic not built yet")
 def test_ppo_recipe_dry_run(tmp_path, tiny_task, gsm8k_data):
     path = _tree("gsm8k-qwen2.5-0.5b-ppo.toml", tmp_path, tiny_task, gsm8k_data)
-    config.load(path)  # raises ConfigError until algorithm.name = "ppo" (with a critic) exists
+    exp = config.load(path)
+    assert (exp.algorithm.name, exp.algorithm.group_size, exp.algorithm.critic_lr) == ("ppo", 1, 1e-5)
     out = _dry_run(path)
     assert out.returncode == 0, out.stderr
-    assert "--gpus-per-node=8" in (config.load(path).run_dir / "sbatch" / "iter_000000-update.sbatch").read_text()
+    assert "--gpus-per-node=8" in (exp.run_dir / "sbatch" / "iter_000000-update.sbatch").read_text()

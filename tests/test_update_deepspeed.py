@@ -164,3 +164,56 @@ def test_update_with_rloo_seq_mean_aggregation_clip_variants_and_entropy_bonus(w
     np.testing.assert_allclose(adv["advantage"].to_numpy(), expected.numpy(), rtol=1e-6)
     stats = commit.read_table(d, "stats").to_pylist()
     assert all(s["grad_norm"] > 0 for s in stats)
+
+
+PPO = {"name": "ppo", "gamma": 1.0, "lam": 0.95, "critic_lr": 1e-3, "value_clip": 0.2, "kl_mode": "reward",
+       "kl_estimator": "k1", "kl_coef": 0.05, "kl_target": 1.0, "kl_horizon": 100.0}
+
+
+def _run_ppo_update(write_experiment, name: str, **update) -> RunDir:
+    from transformers import AutoTokenizer
+
+    exp = config.load(write_experiment(name, algorithm=PPO, update=update, run={"iterations": 1}))
+    run, _ = runs.prepare(exp, name)
+    _commit_inputs(run, exp, AutoTokenizer.from_pretrained(exp.model.path))
+    executors.LocalExecutor(run, exp).submit("update", 0).job.results()
+    return run
+
+
+def test_ppo_critic_update_is_the_same_on_one_and_two_ranks(write_experiment):
+    """PPO's critic and GAE on 1 rank (ZeRO-2) and 2 ranks (ZeRO-3): same values, returns, losses."""
+    from hpcrl.critic import HEAD_FILE, load_value_model
+
+    one = _run_ppo_update(write_experiment, "ppo1", zero_stage=2, world_size=1)
+    two = _run_ppo_update(write_experiment, "ppo2", zero_stage=3, world_size=2)
+    d1, d2 = one.stage_dir(0, "update"), two.stage_dir(0, "update")
+    a1, a2 = commit.read_table(d1, "advantages").to_pylist(), commit.read_table(d2, "advantages").to_pylist()
+    for x, y in zip(a1, a2, strict=True):
+        assert x["values"] == y["values"] and not any(x["values"])  # the new value head is zero
+        np.testing.assert_allclose(x["returns"], y["returns"], atol=1e-6)
+        np.testing.assert_allclose(x["token_advantages"], y["token_advantages"], atol=1e-5)
+        assert len(x["token_advantages"]) == len(x["old_logprobs"]) == len(x["returns"])
+    s1, s2 = commit.read_table(d1, "stats").to_pylist(), commit.read_table(d2, "stats").to_pylist()
+    for x, y in zip(s1, s2, strict=True):
+        assert x["vf_loss"] == pytest.approx(y["vf_loss"], rel=1e-5)
+        assert x["vf_grad_norm"] == pytest.approx(y["vf_grad_norm"], rel=1e-4)
+        assert x["pg_loss"] == pytest.approx(y["pg_loss"], rel=1e-5, abs=1e-7)
+        assert x["vf_grad_norm"] > 0 and x["grad_norm"] > 0
+    m1, m2 = commit.read_manifest(d1)["metrics"], commit.read_manifest(d2)["metrics"]
+    for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/explained_variance", "critic/values_mean",
+                "critic/kl_coef", "actor/reward_kl_penalty"):
+        assert np.isfinite(m1[key]), key
+        assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-7), key
+    assert m1["critic/explained_variance"] == 0.0  # the zero value head predicts 0 for every token
+    assert m1["critic/kl_coef"] == 0.05  # the controller's initial value
+    # the saved critics (ZeRO-2 on 1 rank, consolidated ZeRO-3 on 2) agree and moved from the zero head
+    c1, c2 = (load_value_model(d / "critic", torch.float32) for d in (d1, d2))
+    w1, w2 = c1.state_dict(), c2.state_dict()
+    assert w1["value_head.weight"].abs().sum() > 0
+    diffs = torch.cat([(w1[k] - w2[k]).abs().flatten() for k in w1])
+    assert diffs.max() < 0.5 * PPO["critic_lr"]
+    for d in (d1, d2):
+        assert (d / "critic" / HEAD_FILE).is_file() and (d / "critic" / "config.json").is_file()
+        assert (d / "trainer" / "critic" / "latest").is_file()
+        assert "critic/value_head.safetensors" in commit.read_manifest(d)["files"]  # checksummed
+        assert (d / "kl_control.json").is_file()

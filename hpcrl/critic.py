@@ -1,0 +1,149 @@
+"""PPO's critic: a value head on the policy's backbone, with its own DeepSpeed engine and optimizer.
+
+The value model is the policy's architecture without its LM head (transformers' AutoModel) plus a
+Linear(hidden, 1) value head, initialised from the policy's weights (or `algorithm.critic_path`)
+with a zero head, so the first values are 0. The value of response token t is read at the
+position whose logits predict token t: the value of the state before the token is chosen.
+
+It is saved HF-style in the update's output, `critic/`: the backbone with `save_pretrained`
+(loadable by AutoModel, so a saved critic can seed another run) and `value_head.safetensors`;
+its DeepSpeed state goes under `trainer/critic/`. The Actor (hpcrl.actor) owns a Critic when
+`algorithm.name = "ppo"`, so the staged update job and the resident trainer both train it.
+`gae_targets` turns rewards and values into the advantages and returns of one batch.
+Like the policy update, the critic's loss is normalised by the mini-batch's global token count,
+so its update does not depend on how the batch is split over ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpcrl import advantages, losses, trainer
+from hpcrl.config import AlgorithmConfig, Experiment
+
+HEAD_FILE = "value_head.safetensors"
+STAT_NAMES = ("vf_loss", "vf_clipfrac")
+
+
+class ValueModel(torch.nn.Module):
+    def __init__(self, backbone: torch.nn.Module):
+        super().__init__()
+        self.backbone = backbone
+        hidden = backbone.config.get_text_config().hidden_size
+        self.value_head = torch.nn.Linear(hidden, 1, dtype=backbone.dtype)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Values [batch, tokens] (float32) at every position."""
+        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return self.value_head(h).squeeze(-1).float()
+
+
+def load_value_model(path: str | Path, dtype: torch.dtype) -> ValueModel:
+    """A saved critic, or any HF model's backbone with a new (zero) value head."""
+    from safetensors.torch import load_file
+    from transformers import AutoModel
+
+    model = ValueModel(AutoModel.from_pretrained(path, dtype=dtype))
+    head = Path(path) / HEAD_FILE
+    if head.is_file():
+        model.value_head.load_state_dict(load_file(head))
+    else:
+        torch.nn.init.zeros_(model.value_head.weight)
+        torch.nn.init.zeros_(model.value_head.bias)
+    return model
+
+
+class Critic:
+    def __init__(self, exp: Experiment, rank: int, world_size: int, weights: Path, state_dir: Path | None,
+                 grad_accum: int, pad_id: int):
+        import deepspeed
+
+        self.exp, self.rank, self.world_size, self.pad_id = exp, rank, world_size, pad_id
+        model = load_value_model(weights, getattr(torch, exp.model.dtype))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=exp.algorithm.critic_lr,
+                                      weight_decay=exp.update.weight_decay)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                               config=trainer.ds_config(exp, world_size, grad_accum))
+        if state_dir is not None:
+            path, _ = self.engine.load_checkpoint(str(state_dir), tag=trainer.DS_TAG)
+            if path is None:
+                raise RuntimeError(f"no DeepSpeed state of the critic in {state_dir}")
+
+    @torch.no_grad()
+    def values_of(self, samples: trainer.Samples, rows: list[int]) -> dict[int, list[float]]:
+        """Values at the response tokens of `rows` (all ranks together, gathered)."""
+        self.engine.eval()
+        out = {}
+        for mb in trainer.micro_batches(samples, rows, self.exp.update.micro_batch_size, self.pad_id):
+            mb = mb.to(self.engine.device)
+            values = self.engine(mb.input_ids, mb.attention_mask)[:, :-1]
+            for i, v in zip(mb.index.tolist(), trainer.response_values(values, mb), strict=True):
+                out[i] = v
+        return trainer._all_gather_rows(out)
+
+    def train_step(self, samples: trainer.Samples, mini: list[int], old_values: dict, returns: dict) -> dict[str, float]:
+        """One optimizer step of the critic on one mini-batch; its statistics (global token means)."""
+        a, u = self.exp.algorithm, self.exp.update
+        self.engine.train()
+        n_tokens = sum(len(samples.response_ids[i]) for i in mini)
+        mbs = trainer.micro_batches(samples, trainer.rank_rows(mini, self.rank, self.world_size),
+                                    u.micro_batch_size, self.pad_id)
+        scale = self.world_size * len(mbs)  # undo DeepSpeed's mean over ranks and micro-batches
+        sums = dict.fromkeys(STAT_NAMES, 0.0)
+        for mb in mbs:
+            mb = mb.to(self.engine.device)
+            values = self.engine(mb.input_ids, mb.attention_mask)[:, :-1]
+            out = losses.value_loss(values, trainer.padded(old_values, mb), trainer.padded(returns, mb), mb.mask,
+                                    a.value_clip, n_tokens, a.loss_agg, len(mini))
+            if not torch.isfinite(out.loss):
+                raise FloatingPointError(f"non-finite critic loss ({out.loss.item()}) on rank {self.rank}; the "
+                                         "update is not committed and the run stays at the last good version")
+            self.engine.backward(out.loss * scale)
+            sums["vf_loss"] += out.loss.item()
+            sums["vf_clipfrac"] += out.clipfrac.item() * float(mb.mask.sum()) / n_tokens
+            self.engine.step()
+        stats = dict(zip(STAT_NAMES, trainer._all_sum([sums[k] for k in STAT_NAMES]), strict=True))
+        grad_norm = self.engine.get_global_grad_norm()
+        stats["vf_grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        return stats
+
+    def save(self, out: Path, state_dir: Path) -> None:
+        """HF-style weights into `out` (backbone + value_head.safetensors); DeepSpeed state into `state_dir`."""
+        from safetensors.torch import save_file
+
+        if self.exp.update.zero_stage == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()  # collective: every rank calls it
+        else:
+            state = self.engine.module.state_dict() if self.rank == 0 else None
+        if self.rank == 0:
+            state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+            backbone = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
+            head = {k.removeprefix("value_head."): v for k, v in state.items() if k.startswith("value_head.")}
+            self.engine.module.backbone.save_pretrained(out, state_dict=backbone, safe_serialization=True)
+            save_file(head, str(out / HEAD_FILE))
+        if dist.is_initialized():
+            dist.barrier()
+        self.engine.save_checkpoint(str(state_dir), tag=trainer.DS_TAG)
+
+
+@dataclass
+class Targets:
+    """What GAE gives one batch ([samples, response tokens], 0 past each response)."""
+
+    advantages: torch.Tensor  # what the policy loss uses (whitened with norm_adv_by_std)
+    returns: torch.Tensor  # what the critic regresses on
+    rewards: torch.Tensor  # the token-level rewards
+
+
+def gae_targets(outcome: torch.Tensor, mask: torch.Tensor, values: torch.Tensor, kl_tokens: torch.Tensor | None,
+                kl_coef: float, algo: AlgorithmConfig) -> Targets:
+    """Token rewards (outcome on the last token, -kl_coef * KL on each), GAE, optional whitening."""
+    rewards = advantages.token_rewards(outcome, mask, kl_tokens, kl_coef)
+    adv, ret = advantages.gae(rewards, values.to(torch.float64), mask, algo.gamma, algo.lam)
+    if algo.norm_adv_by_std:
+        adv = advantages.masked_whiten(adv, mask)
+    return Targets(adv, ret, rewards)

@@ -1,0 +1,92 @@
+"""PPO with a critic end to end in the resident mode: a 2-iteration run of the tiny task, then the
+same run continued for a third iteration by a fresh job that loads the saved critic, its DeepSpeed
+state and the KL controller's coefficient from the run directory."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from hpcrl import commit, config, trainer
+from hpcrl.rundir import RunDir
+
+pytestmark = pytest.mark.timeout(900)  # about 90 s on 2 CPU cores
+
+PPO = {"name": "ppo", "gamma": 1.0, "lam": 1.0, "critic_lr": 1e-3, "kl_mode": "reward", "kl_estimator": "k1",
+       "kl_coef": 0.05, "kl_target": 0.5, "kl_horizon": 100.0}
+CRITIC_METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/explained_variance", "critic/values_mean",
+                  "critic/kl_coef", "critic/grad_norm", "actor/reward_kl_penalty")
+
+
+def _submit(path) -> str:
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True, text=True,
+                         timeout=800)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory, tiny_task):
+    import tests.conftest as c
+
+    root = tmp_path_factory.mktemp("ppo")
+    path = root / "ppo.toml"
+    path.write_text(c.experiment_toml(tiny_task, root / "runs", "ppo", algorithm=PPO,
+                                      executor={"mode": "resident"}))
+    out = _submit(path)
+    return RunDir.at(root / "runs" / "ppo"), path, out
+
+
+def test_critic_metrics_are_logged_finite_each_iteration(ppo_run):
+    run, _, out = ppo_run
+    for k in (0, 1):
+        metrics = commit.read_manifest(run.stage_dir(k, "update"))["metrics"]
+        for key in CRITIC_METRICS:
+            assert math.isfinite(metrics[key]), (k, key, metrics.get(key))
+        stats = commit.read_table(run.stage_dir(k, "update"), "stats").to_pylist()
+        assert all(s["vf_loss"] > 0 and s["pg_loss"] is not None for s in stats)
+    assert "run complete" in out
+
+
+def test_the_saved_critic_is_the_live_one(ppo_run):
+    """Iteration 1's values were computed by the resident trainer's critic in memory; the critic
+    saved by iteration 0's update, loaded from disk, gives the same values."""
+    from transformers import AutoTokenizer
+
+    from hpcrl.critic import load_value_model
+
+    run, path, _ = ppo_run
+    exp = config.load(path)
+    assert (run.critic_dir(2, "") / "value_head.safetensors").is_file()
+    assert (run.critic_state_dir(2) / "latest").is_file()
+    samples = trainer.load_samples(commit.read_table(run.stage_dir(1, "generate"), "rollouts"),
+                                   commit.read_table(run.stage_dir(1, "score"), "scores"))
+    model = load_value_model(run.critic_dir(1, exp.model.path), torch.float32).eval()
+    pad = AutoTokenizer.from_pretrained(exp.model.path).pad_token_id
+    recorded = commit.read_table(run.stage_dir(1, "update"), "advantages")["values"].to_pylist()
+    assert any(any(v) for v in recorded)  # the critic trained in iteration 0 predicts something
+    with torch.no_grad():
+        for mb in trainer.micro_batches(samples, list(range(len(samples))), 16, pad):
+            values = model(mb.input_ids, mb.attention_mask)[:, :-1]
+            for i, v in zip(mb.index.tolist(), trainer.response_values(values, mb), strict=True):
+                np.testing.assert_allclose(v, recorded[i], atol=1e-5)
+
+
+def test_a_continued_run_loads_the_critic_and_the_kl_coefficient(ppo_run):
+    run, path, _ = ppo_run
+    text = path.read_text().replace("iterations = 2", "iterations = 3")
+    assert text != path.read_text()
+    path.write_text(text)
+    _submit(path)  # a new resident job: a fresh Actor loads policy, critic and their DeepSpeed state (v2)
+    before = json.loads((run.stage_dir(1, "update") / "kl_control.json").read_text())
+    after = json.loads((run.stage_dir(2, "update") / "kl_control.json").read_text())
+    assert after["kl_coef"] == before["next_kl_coef"] != PPO["kl_coef"]  # the controller moved, and resumed
+    metrics = commit.read_manifest(run.stage_dir(2, "update"))["metrics"]
+    assert all(math.isfinite(metrics[key]) for key in CRITIC_METRICS)
+    assert (run.critic_dir(3, "") / "model.safetensors").is_file()
