@@ -17,6 +17,7 @@ clip_ratio, grad_clip, kl_coef as beta, max_tokens, temperature, and exact-match
 What is timed, per system (the first iteration is a warm-up and is left out of the steady rows):
   TRL steady       wall time from the end of iteration 1 to the end of iteration S (a trainer
                    callback, time.perf_counter() after each iteration's last optimizer step)
+  TRL train        wall time of trainer.train(), all S iterations (model already loaded)
   hpcrl stages     sum of the generate, score and update stage times (`timings.total` in each
                    iter_*/<stage>/_COMMIT.json) of iterations 2..S; also of all S iterations
   hpcrl loop       wall time between the commits of iteration 1's and iteration S's update: the
@@ -24,7 +25,9 @@ What is timed, per system (the first iteration is a warm-up and is left out of t
   end to end       wall time of the whole command: interpreter start, imports, model load or
                    vLLM engine and DeepSpeed start-up, all S iterations, teardown
 The two systems run alternately (ABAB...); the table shows medians over the repeats, and each
-ratio is the median over the repeats of (completions/s / TRL's completions/s in the same repeat).
+hpcrl ratio is the median over the repeats of (completions/s / TRL's completions/s in the same
+repeat), against the TRL row above it: steady against steady, all iterations against
+trainer.train(), end to end against end to end.
 
 `--model-size 100m` builds (once, cached) a randomly initialised ~99M-parameter Qwen2 with the tiny
 task's tokenizer and runs both systems on it with fewer iterations.
@@ -142,7 +145,7 @@ def run_trl(python: Path, exp: config.Experiment, steps: int, work: Path) -> dic
     ends = res["iteration_end"]
     if len(ends) != steps:
         raise RuntimeError(f"TRL ran {len(ends)} iterations, expected {steps}; log: {work / 'trl.log'}")
-    return {"steady": ends[-1] - ends[0], "end to end": wall, "reward first": res["rewards"][0],
+    return {"steady": ends[-1] - ends[0], "train": res["train_end"] - res["train_start"], "end to end": wall, "reward first": res["rewards"][0],
             "reward last": res["rewards"][-1], "params": res["params"]}
 
 
@@ -179,19 +182,19 @@ def _run(cmd: list[str], env: dict[str, str], logfile: Path) -> None:
 # ---- the table -------------------------------------------------------------------------------------
 def table(trl: list[dict], hp: list[dict], per_iter: int, steps: int) -> list[str]:
     steady, total = per_iter * (steps - 1), per_iter * steps
-    rows = [  # system, what is timed, results, key, completions; compared with TRL steady or end to end
-        ("TRL GRPOTrainer", f"iterations 2..{steps}, wall", trl, "steady", steady),
-        ("hpcrl resident", f"iterations 2..{steps}, stage times", hp, "stages", steady),
-        ("hpcrl resident", f"iterations 2..{steps}, wall between update commits", hp, "loop", steady),
-        ("hpcrl resident", f"iterations 1..{steps}, stage times", hp, "stages all", total),
-        ("TRL GRPOTrainer", "end to end (process start to exit)", trl, "end to end", total),
-        ("hpcrl resident", "end to end (`hpcrl submit`)", hp, "end to end", total),
+    rows = [  # system, what is timed, results, key, completions, the TRL key it is compared with
+        ("TRL GRPOTrainer", f"iterations 2..{steps}, wall", trl, "steady", steady, "steady"),
+        ("hpcrl resident", f"iterations 2..{steps}, stage times", hp, "stages", steady, "steady"),
+        ("hpcrl resident", f"iterations 2..{steps}, wall between update commits", hp, "loop", steady, "steady"),
+        ("TRL GRPOTrainer", f"iterations 1..{steps}, wall of trainer.train()", trl, "train", total, "train"),
+        ("hpcrl resident", f"iterations 1..{steps}, stage times", hp, "stages all", total, "train"),
+        ("TRL GRPOTrainer", "end to end (process start to exit)", trl, "end to end", total, "end to end"),
+        ("hpcrl resident", "end to end (`hpcrl submit`)", hp, "end to end", total, "end to end"),
     ]
     out = ["| system | timed | completions | seconds | completions/s | ratio vs TRL |", "|---|---|---|---|---|---|"]
-    for system, what, res, key, n in rows:
-        ref, n_ref = ("steady", steady) if n == steady else ("end to end", total)
+    for system, what, res, key, n, ref in rows:
         seconds = statistics.median(r[key] for r in res)
-        ratio = statistics.median((n / r[key]) / (n_ref / t[ref]) for r, t in zip(res, trl, strict=True))
+        ratio = statistics.median(t[ref] / r[key] for r, t in zip(res, trl, strict=True))  # same completions
         out.append(f"| {system} | {what} | {n} | {seconds:.2f} | {n / seconds:.1f} | {ratio:.2f}x |")
     return out
 
@@ -265,7 +268,7 @@ def main() -> None:
           f"{exp.algorithm.group_size} samples x <= {exp.generate.max_tokens} tokens per iteration, "
           f"{exp.update.mini_batches} optimizer steps per iteration, {steps} iterations; median of {repeats} "
           "alternating runs; ratio: median over repeats of completions/s / TRL's in the same repeat "
-          "(steady rows against TRL steady, whole-run rows against TRL end to end)")
+          "(each hpcrl row against the TRL row above it)")
     print("\n".join(table(trl, hp, per_iter, steps)))
     print(f"\nmean sampled reward, first -> last iteration (median): TRL "
           f"{statistics.median(r['reward first'] for r in trl):.3f} -> {statistics.median(r['reward last'] for r in trl):.3f}"
