@@ -61,14 +61,9 @@ SHAPE_100M = {"hidden_size": 768, "num_hidden_layers": 14, "num_attention_heads"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 # per model size: default iterations and repeats, and hpcrl settings sized for the model (vLLM's KV
 # cache must hold a whole batch; smaller micro-batches bound the trainer's activation memory).
-# executor.stall_s: a resident task's heartbeats stop while it blocks on a command or a reply (its
-# monitor thread shares the TCPStore client, whose wait holds the client's lock), so a stage of the
-# other role that runs longer than stall_s (30 s by default; 100m stages on CPU do) is mistaken
-# for a dead task; the long limit keeps the 100m run alive and does not change its timing.
 SIZES = {
     "tiny": {"steps": 10, "repeats": 3, "set": {}},
-    "100m": {"steps": 3, "repeats": 1, "set": {"generate.kv_cache_gib": 2.0, "update.micro_batch_size": 32,
-                                               "executor.stall_s": 3600.0}},
+    "100m": {"steps": 3, "repeats": 1, "set": {"generate.kv_cache_gib": 2.0, "update.micro_batch_size": 32}},
 }
 
 
