@@ -175,7 +175,9 @@ class Controller:
         failures[key] = failures.get(key, 0) + 1
         attempts = self.exp.executor.max_retries + 1
         _, err = job.log_paths()
-        msg = (f"stage {job.stage} of iteration {job.iteration} failed (job {job.job_id}, attempt "
+        what = (f"the resident job stopped at iteration {job.iteration}" if job.stage == "resident"
+                else f"stage {job.stage} of iteration {job.iteration} failed")
+        msg = (f"{what} (job {job.job_id}, attempt "
                f"{failures[key]}/{attempts}{job.where()}); log: {err}\n--- last lines of stderr ---\n"
                f"{job.stderr_tail()}")
         if failures[key] >= attempts:
