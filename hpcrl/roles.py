@@ -65,11 +65,12 @@ class ControlPlane:
         self._beats = 0
 
     # -- failure and liveness -------------------------------------------------------------
-    def fail(self, error: str) -> None:
-        """Tell every task that this one failed (first failure wins)."""
+    def fail(self, error: str, store=None) -> None:
+        """Tell every task that this one failed (first failure wins). The monitor passes its own
+        connection: the main one may be held by a blocking wait."""
         info = json.dumps({"rank": self.rank, "who": self.layout.name(self.rank), "error": error})
         try:
-            self.store.compare_set("failed", "", info)
+            (store or self.store).compare_set("failed", "", info)
         except Exception:  # noqa: BLE001  (the store may be gone already: nothing more to tell)
             pass
 
@@ -120,7 +121,7 @@ class ControlPlane:
             if failure is None and stalled is not None:
                 failure = (f"{self.layout.name(stalled)} stopped responding (no heartbeat for "
                            f"{self.stall_s:.0f} s: killed, or its node is gone)")
-                self.fail(failure.split(" failed: ")[-1])
+                self.fail(failure.split(" failed: ")[-1], store)
             if failure is not None:
                 print(f"[resident] {self.layout.name(self.rank)} stops: {failure}", file=sys.stderr, flush=True)
                 os._exit(1)

@@ -140,17 +140,19 @@ def test_resident_runs_commit_what_the_staged_run_commits(write_experiment):
 
 
 def test_killed_generator_stops_the_job_within_seconds_and_the_run_resumes_staged(write_experiment):
-    path = write_experiment("kill", run={"iterations": 3}, executor={**RESIDENT, "checkpoint_every": 2})
+    path = write_experiment("kill", run={"iterations": 8, "eval_every": 0},
+                            executor={**RESIDENT, "checkpoint_every": 8})
     exp = config.load(path)
     run = RunDir.at(exp.run_dir)
     proc = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
+        generator = task_pid(run.logs, exp.update.world_size)
         deadline = time.time() + 600
         while not commit.is_committed(run.stage_dir(0, "update")):
             assert proc.poll() is None and time.time() < deadline
-            time.sleep(0.2)
-        os.kill(task_pid(run.logs, exp.update.world_size), signal.SIGKILL)  # the generator
+            time.sleep(0.02)
+        os.kill(generator, signal.SIGKILL)
         killed = time.time()
         out, _ = proc.communicate(timeout=60)
         stopped = time.time() - killed
@@ -162,7 +164,7 @@ def test_killed_generator_stops_the_job_within_seconds_and_the_run_resumes_stage
     with pytest.raises(AssertionError):  # the trainer is gone too: no survivor holds the allocation
         task_pid(run.logs, 0, timeout=1)
 
-    # Continue in the staged mode: iteration 0's update saved no policy (checkpoint_every = 2), so it
+    # Continue in the staged mode: iteration 0's update saved no policy (checkpoint_every = 8), so it
     # is moved aside and redone; nothing committed is overwritten.
     staged = path.with_name("kill-staged.toml")
     staged.write_text(path.read_text().replace('mode = "resident"', 'mode = "staged"'))
