@@ -32,7 +32,6 @@ class Actor:
     def __init__(self, exp: Experiment, rank: int, world_size: int, policy_path: Path, state_dir: Path | None,
                  critic_path: Path | None = None, critic_state: Path | None = None):
         """Load the policy (and, when given, the DeepSpeed state that produced it); for ppo, the critic."""
-        import deepspeed
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.exp, self.rank, self.world_size = exp, rank, world_size
@@ -44,13 +43,7 @@ class Actor:
         tokenizer = AutoTokenizer.from_pretrained(exp.tokenizer_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=u.lr, weight_decay=u.weight_decay)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                               config=trainer.ds_config(exp, world_size, grad_accum))
-        if state_dir is not None:
-            path, _ = self.engine.load_checkpoint(str(state_dir), tag=trainer.DS_TAG)
-            if path is None:
-                raise RuntimeError(f"no DeepSpeed state in {state_dir}")
+        self.engine = trainer.make_engine(model, u.lr, exp, world_size, grad_accum, state_dir)
         self.ref_model = None
         if exp.algorithm.kl_coef > 0:
             self.ref_model = AutoModelForCausalLM.from_pretrained(exp.model.path, dtype=dtype).to(

@@ -60,18 +60,11 @@ def load_value_model(path: str | Path, dtype: torch.dtype) -> ValueModel:
 class Critic:
     def __init__(self, exp: Experiment, rank: int, world_size: int, weights: Path, state_dir: Path | None,
                  grad_accum: int, pad_id: int):
-        import deepspeed
 
         self.exp, self.rank, self.world_size, self.pad_id = exp, rank, world_size, pad_id
         model = load_value_model(weights, getattr(torch, exp.model.dtype))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=exp.algorithm.critic_lr,
-                                      weight_decay=exp.update.weight_decay)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                               config=trainer.ds_config(exp, world_size, grad_accum))
-        if state_dir is not None:
-            path, _ = self.engine.load_checkpoint(str(state_dir), tag=trainer.DS_TAG)
-            if path is None:
-                raise RuntimeError(f"no DeepSpeed state of the critic in {state_dir}")
+        self.engine = trainer.make_engine(model, exp.algorithm.critic_lr, exp, world_size, grad_accum, state_dir,
+                                          "critic")
 
     @torch.no_grad()
     def values_of(self, samples: trainer.Samples, rows: list[int]) -> dict[int, list[float]]:

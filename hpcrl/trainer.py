@@ -109,6 +109,20 @@ def ds_config(exp: Experiment, world_size: int, grad_accum: int) -> dict:
     }
 
 
+def make_engine(model, lr: float, exp: Experiment, world_size: int, grad_accum: int, state_dir: Path | None,
+                what: str = "policy"):
+    """A DeepSpeed engine over `model` with AdamW at `lr`, restored from `state_dir` when given."""
+    import deepspeed
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=exp.update.weight_decay)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(exp, world_size, grad_accum))
+    if state_dir is not None:
+        path, _ = engine.load_checkpoint(str(state_dir), tag=DS_TAG)
+        if path is None:
+            raise RuntimeError(f"no DeepSpeed state of the {what} in {state_dir}")
+    return engine
+
+
 def rank_rows(rows: list[int], rank: int, world_size: int) -> list[int]:
     return rows[rank::world_size]
 
