@@ -164,7 +164,7 @@ class SlurmResources(Section):
 class ExecutorConfig(Section):
     kind: Literal["local", "slurm"] = Field("local", description="Where stage jobs run: `local` (submitit LocalExecutor on this machine) or `slurm` (a Slurm job per stage).")
     mode: Literal["staged", "resident"] = Field("staged", description="`staged`: each stage is its own job. `resident`: one job keeps the trainer ranks, the vLLM generator and the reward workers up for the whole run and streams weights from the trainer to vLLM.")
-    weight_sync: Literal["process_group", "filesystem"] = Field("process_group", description="Resident: how new weights reach vLLM: broadcast over a process group (gloo on CPU, NCCL on GPUs) or written to disk and reloaded.")
+    weight_sync: Literal["auto", "process_group", "shared_memory", "filesystem"] = Field("auto", description="Resident: how new weights reach vLLM: broadcast over a process group (gloo on CPU, NCCL on GPUs; any nodes), copied through one shared-memory buffer (trainer 0 and the generator on one node; the fastest on CPU), or written to disk and reloaded. `auto`: shared memory on one node without GPUs, else the process group.")
     sync_bucket_mb: float = Field(64, ge=0, description="Resident: weight-sync bucket size in MB (0: one broadcast per tensor).")
     sync_check_tol: float = Field(0.0, ge=0, description="Resident: largest mean |logprob difference| between vLLM and the trainer on the probe batch after a sync (0: 1e-4 for float32, 2e-2 for 16-bit).")
     checkpoint_every: int = Field(1, ge=1, description="Resident: save the policy and trainer state every N updates (and after the last); a crash resumes from the last saved one.")
@@ -269,6 +269,10 @@ def parse(data: dict[str, Any], source: str, base_dir: Path) -> Experiment:
             raise ConfigError(f"{source}: executor.resident.nodes: the resident job's {n} tasks (update.world_size "
                               f"= {exp.update.world_size} trainers + 1 generator) must spread evenly over "
                               f"{exp.executor.resident.nodes} nodes")
+        if exp.executor.weight_sync == "shared_memory" and exp.executor.resident.nodes > 1:
+            raise ConfigError(f"{source}: executor.weight_sync: \"shared_memory\" needs trainer 0 and the generator "
+                              f"on one node, but executor.resident.nodes = {exp.executor.resident.nodes} puts them on "
+                              "different nodes; use \"process_group\"")
     if not (exp.reward.functions or exp.reward.model.path or exp.reward.http.url):
         raise ConfigError(f"{source}: reward: no reward source: expected reward.functions, reward.model.path "
                           "or reward.http.url")

@@ -48,6 +48,20 @@ def probe_sequences(exp: Experiment, tokenizer) -> list[list[int]]:
     return out
 
 
+def _transport(exp: Experiment, plane: ControlPlane, me: str, peer: str) -> str:
+    """The weight-sync transport both ends agree on (hpcrl.weight_sync.transport), from where
+    trainer 0 and the generator run."""
+    here = os.environ.get("SLURMD_NODENAME") or os.uname().nodename  # Slurm's node name, else the host's
+    plane.store.set(f"host/{me}", here)
+    there = plane.store.get(f"host/{peer}").decode()
+    hosts = {me: here, peer: there}
+    chosen = weight_sync.transport(exp.executor.weight_sync, hosts["trainer0"], hosts["generator"], _backend() == "nccl")
+    if chosen == "shared_memory" and hosts["trainer0"] != hosts["generator"]:
+        raise RuntimeError(f"executor.weight_sync = \"shared_memory\" needs trainer 0 and the generator on one node; "
+                           f"they are on {hosts['trainer0']} and {hosts['generator']}: use \"process_group\" or \"auto\"")
+    return chosen
+
+
 def _backend() -> str:
     import torch
 
@@ -106,6 +120,7 @@ class Trainer:
         from hpcrl.actor import Actor
 
         self.run, self.exp, self.plane, self.rank = run, exp, plane, rank
+        self.transport = _transport(exp, plane, "trainer0", "generator") if rank == 0 else None
         world = exp.update.world_size
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
         if torch.cuda.is_available():
@@ -114,11 +129,13 @@ class Trainer:
                                 world_size=world)
         self.version = run.latest_saved_version()
         self.actor = Actor.for_version(exp, run, self.version, rank, world)
-        self.sender, self.last_probe = None, None
-        if rank == 0 and exp.executor.weight_sync == "process_group":
+        self.last_probe, self.sender, self.shared = None, None, None
+        if rank == 0 and self.transport == "process_group":
             pg = weight_sync.group_on(plane.store, 0, 2, exp.executor.collective_timeout_s, _backend())
             device = str(self.actor.engine.device) if _backend() == "nccl" else "cpu"
             self.sender = weight_sync.ProcessGroupSync(pg, 0, int(exp.executor.sync_bucket_mb * (1 << 20)), device)
+        elif rank == 0 and self.transport == "shared_memory":
+            self.shared = weight_sync.SharedMemorySync()
 
     def serve(self) -> None:
         import torch.distributed as dist
@@ -144,14 +161,21 @@ class Trainer:
         t0 = time.perf_counter()
         reply = {"probe_old": old, "probe_new": new}
         with self.actor.full_parameters() as params:  # every rank gathers (ZeRO-3); rank 0 sends
-            if self.rank == 0 and self.sender is not None:
-                reply["bytes"] = self.sender.send(params)
-            elif self.rank == 0:
-                path = self.run.root / "resident" / "weights"
-                reply["bytes"], reply["path"] = weight_sync.FilesystemSync(path).send(params), str(path)
+            if self.rank == 0:
+                reply.update(self._send(params))
         reply["send_s"] = time.perf_counter() - t0
         if self.rank == 0:
             self.plane.reply(reply)
+
+    def _send(self, params) -> dict:
+        """Rank 0: the weights out through the configured transport; what the generator needs."""
+        if self.sender is not None:
+            return {"bytes": self.sender.send(params)}
+        if self.shared is not None:
+            nbytes, header = self.shared.send(params)
+            return {"bytes": nbytes, "header": header, "path": self.shared.path}
+        path = self.run.root / "resident" / "weights"
+        return {"bytes": weight_sync.FilesystemSync(path).send(params), "path": str(path)}
 
 
 class Generator:
@@ -165,12 +189,14 @@ class Generator:
             os.environ.pop(key, None)  # vLLM sets up its own (single-process) distributed state
         generation.configure_env(exp)
         self.version = run.latest_saved_version()
+        self.transport = _transport(exp, plane, "generator", "trainer0")
         self.llm = generation.make_engine(exp, run.policy_dir(self.version, exp.model.path), exp.run.seed,
                                           worker_extension_cls="hpcrl.vllm_ext.WeightReceiver")
-        if exp.executor.weight_sync == "process_group":
+        if self.transport == "process_group":
             self.llm.collective_rpc("hpcrl_join_sync", args=(
                 plane.host, plane.port, 1, 2, exp.executor.collective_timeout_s,
                 int(exp.executor.sync_bucket_mb * (1 << 20)), _backend()))
+        print(f"[resident] weights reach vLLM through {self.transport.replace('_', ' ')}", flush=True)
         self.pool = None
         if exp.reward.workers:
             import multiprocessing
@@ -210,14 +236,17 @@ class Generator:
                                "probe": self.probe})
         if colocate:
             self.llm.wake_up(tags=["weights"])
-        if self.exp.executor.weight_sync == "process_group":  # the engine loads buckets as they arrive
+        if self.transport == "process_group":  # the engine loads buckets as they arrive
             received = self.llm.collective_rpc("hpcrl_receive_weights")[0]
             t0 = time.perf_counter()
             reply = self.plane.wait_reply(seq)
         else:
             reply = self.plane.wait_reply(seq)
             t0 = time.perf_counter()
-            received = self.llm.collective_rpc("hpcrl_reload_from", args=(reply["path"],))[0]
+            if self.transport == "shared_memory":
+                received = self.llm.collective_rpc("hpcrl_load_shared", args=(reply["path"], reply["header"]))[0]
+            else:
+                received = self.llm.collective_rpc("hpcrl_reload_from", args=(reply["path"],))[0]
         if colocate:
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()

@@ -55,3 +55,14 @@ class WeightReceiver:
         t0 = time.perf_counter()
         self.model_runner.reload_weights(weights_iterator=FilesystemSync(path).receive())
         return {"seconds": time.perf_counter() - t0}
+
+    def hpcrl_load_shared(self, path: str, header: list) -> dict:
+        """The same-node transport: load the weights from the trainer's shared buffer
+        (hpcrl.weight_sync.SharedMemorySync), mapped on the first call."""
+        from hpcrl.weight_sync import SharedMemorySync
+
+        t0 = time.perf_counter()
+        if getattr(self, "_hpcrl_shared", None) is None:
+            self._hpcrl_shared = SharedMemorySync.map(path, header)
+        self.model_runner.reload_weights(weights_iterator=SharedMemorySync.receive(self._hpcrl_shared, header))
+        return {"seconds": time.perf_counter() - t0}

@@ -159,3 +159,12 @@ def test_a_critic_path_without_a_model_is_refused(write_experiment, tmp_path):
     path = write_experiment(algorithm={"name": "ppo", "critic_path": str(tmp_path / "no-critic")})
     with pytest.raises(ConfigError, match=r"algorithm\.critic_path: .*no-critic: not an HF model directory"):
         _load_checked(path)
+
+
+def test_shared_memory_weights_need_one_node(write_experiment):
+    resident = {"kind": "slurm", "mode": "resident", "weight_sync": "shared_memory"}
+    with pytest.raises(ConfigError, match=r"executor\.weight_sync: \"shared_memory\" needs trainer 0 and the "
+                                          r"generator on one node, but executor\.resident\.nodes = 2"):
+        config.load(write_experiment(update={"world_size": 1}, executor={**resident, "resident": {"nodes": 2}}))
+    assert config.load(write_experiment(executor={**resident, "resident": {"nodes": 1}})).executor.weight_sync == \
+        "shared_memory"

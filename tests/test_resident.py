@@ -121,7 +121,7 @@ def _same_outputs(a: RunDir, b: RunDir, exp) -> None:
 def test_resident_runs_commit_what_the_staged_run_commits(write_experiment):
     staged = write_experiment("staged")
     resident = [write_experiment(f"res-{sync}", executor={**RESIDENT, "checkpoint_every": 2, "weight_sync": sync})
-                for sync in ("process_group", "filesystem")]
+                for sync in ("process_group", "shared_memory", "filesystem")]
     for path in (staged, *resident):
         out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr[-3000:]

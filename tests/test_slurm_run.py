@@ -216,6 +216,9 @@ def test_resident_job_spans_two_nodes_trainer_on_one_generator_on_the_other(runs
     nodes = {s: {commit.read_manifest(run.stage_dir(k, s))["node"] for k, st in plan.all_stages(exp) if st == s}
              for s in ("generate", "update")}
     assert nodes == {"update": {"n1"}, "generate": {"n2"}}, nodes
+    # weight_sync = "auto" across two (Slurm) nodes: the process group, not shared memory
+    logs = "".join(p.read_text(errors="replace") for p in (run.root / "logs").rglob("*") if p.is_file())
+    assert "weights reach vLLM through process group" in logs
 
 
 def _same_outputs_but_policies(a: RunDir, b: RunDir) -> None:

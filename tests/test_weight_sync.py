@@ -1,5 +1,5 @@
-"""Weight transport between processes: a dedicated gloo group and the filesystem fallback deliver
-the trainer's tensors bit-identical, bucketed or per tensor."""
+"""Weight transport between processes: a dedicated gloo group, the shared-memory buffer and the
+filesystem fallback deliver the trainer's tensors bit-identical (bucketed or per tensor)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hpcrl.distributed import free_port
-from hpcrl.weight_sync import FilesystemSync, ProcessGroupSync, make_group
+from hpcrl.weight_sync import FilesystemSync, ProcessGroupSync, SharedMemorySync, make_group, transport
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -60,3 +60,53 @@ def test_filesystem_fallback_round_trip(tmp_path):
 def test_a_missing_peer_times_out_instead_of_hanging():
     with pytest.raises(Exception, match="(?i)timed out|timeout"):
         make_group("127.0.0.1", free_port(), 0, 2, timeout_s=2)
+
+
+def _shared_receiver(path: str, header: list, ready, again, out) -> None:
+    buffer = SharedMemorySync.map(path, header)
+    ready.put("mapped")
+    first = {k: (str(v.dtype), list(v.shape), _raw(v)) for k, v in SharedMemorySync.receive(buffer, header)}
+    again.get(timeout=60)  # the sender rewrote the buffer in place
+    second = {k: _raw(v) for k, v in SharedMemorySync.receive(buffer, header)}
+    out.put((first, second))
+
+
+def test_shared_memory_delivers_bit_identical_tensors_in_place():
+    state = _state()
+    state["lm_head.weight"] = state["embed.weight"]  # tied: stored once, delivered under both names
+    sync = SharedMemorySync()
+    nbytes, header = sync.send(state.items())
+    assert nbytes == sum(t.numel() * t.element_size() for k, t in state.items() if k != "lm_head.weight")
+    assert sync.path.startswith("/proc/")  # a memfd: nothing in /dev/shm or on disk to leak
+    ctx = mp.get_context("spawn")
+    ready, again, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_shared_receiver, args=(sync.path, header, ready, again, out))
+    proc.start()
+    assert ready.get(timeout=60) == "mapped"
+    for t in state.values():
+        if t.is_floating_point():
+            t.add_(1)
+    sync.send(state.items())
+    again.put("go")
+    first, second = out.get(timeout=60)
+    proc.join(timeout=30)
+    assert proc.exitcode == 0
+    assert list(first) == list(state)
+    for name, t in state.items():
+        assert first[name][:2] == (str(t.dtype), list(t.shape)), name
+        assert second[name] == _raw(t), name  # the second send, bit-identical
+    assert first["embed.weight"][2] != second["embed.weight"]
+
+
+def test_shared_memory_refuses_weights_that_grew():
+    sync = SharedMemorySync()
+    sync.send([("w", torch.zeros(4))])
+    with pytest.raises(ValueError, match="grew from 64 to 128 bytes"):
+        sync.send([("w", torch.zeros(4)), ("v", torch.zeros(4))])
+
+
+def test_auto_transport_is_shared_memory_on_one_cpu_node_else_a_process_group():
+    assert transport("auto", "n1", "n1", cuda=False) == "shared_memory"
+    assert transport("auto", "n1", "n2", cuda=False) == "process_group"
+    assert transport("auto", "n1", "n1", cuda=True) == "process_group"
+    assert transport("filesystem", "n1", "n1", cuda=False) == "filesystem"
