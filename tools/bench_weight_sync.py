@@ -1,12 +1,13 @@
 #!/usr/bin/env python
-"""Weight-sync throughput on this machine: the process-group path (per tensor and bucketed) and
-the filesystem path, against the bound of one flat-buffer broadcast of the same bytes, for
-transformer-shaped fp32 weights of ~10M, ~100M and ~500M parameters.
+"""Weight-sync throughput on this machine: the process-group path (per tensor and bucketed), the
+shared-memory path and the filesystem path, against the bound of one flat-buffer broadcast of
+the same bytes, for transformer-shaped fp32 weights of ~10M, ~100M and ~500M parameters.
 
     python tools/bench_weight_sync.py [--sizes 10M,100M,500M] [--repeats 3]
 
 A receiver process is spawned per size; every transport is timed side by side in the same run
-(median of the repeats), from the sender's first byte to the receiver holding every tensor.
+(median of the repeats), from the sender's first byte to the receiver holding every tensor (for
+shared memory: copied out of the buffer into tensors of its own, as vLLM's load does).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ import time
 import torch
 
 from hpcrl.distributed import free_port
-from hpcrl.weight_sync import FilesystemSync, ProcessGroupSync, make_group
+from hpcrl.weight_sync import FilesystemSync, ProcessGroupSync, SharedMemorySync, make_group
 
 # (hidden, layers) giving about the named parameter count with a 32k vocabulary
 SHAPES = {"10M": (256, 1), "100M": (768, 8), "500M": (1536, 12)}
-TRANSPORTS = ("flat bound", "pg per-tensor", "pg 64MiB buckets", "filesystem")
+TRANSPORTS = ("flat bound", "pg per-tensor", "pg 64MiB buckets", "shared memory", "filesystem")
 
 
 def model_tensors(hidden: int, layers: int) -> list[tuple[str, torch.Tensor]]:
@@ -38,10 +39,17 @@ def model_tensors(hidden: int, layers: int) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _receiver(port: int, size: str, repeats: int, fs_dir: str, done) -> None:
+def _receiver(port: int, size: str, repeats: int, fs_dir: str, shared, done) -> None:
     pg, _store = make_group("127.0.0.1", port, 1, 2)
-    nbytes = sum(t.numel() * t.element_size() for _, t in model_tensors(*SHAPES[size]))
+    dest = {n: torch.empty_like(t) for n, t in model_tensors(*SHAPES[size])}
+    nbytes = sum(t.numel() * t.element_size() for t in dest.values())
+    buffer = None
     for _ in range(repeats):
+        path, header = shared.get(timeout=600)
+        buffer = buffer if buffer is not None else SharedMemorySync.map(path, header)
+        for name, view in SharedMemorySync.receive(buffer, header):
+            dest[name].copy_(view)
+        done.put(time.perf_counter())
         flat = torch.empty(nbytes // 4, dtype=torch.float32)
         pg.broadcast(flat, 0).wait()
         for bucket in (0, 64 << 20):
@@ -55,14 +63,19 @@ def bench(size: str, repeats: int) -> dict[str, float]:
     tensors = model_tensors(*SHAPES[size])
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
     ctx = mp.get_context("spawn")
-    port, done = free_port(), ctx.Queue()
+    port, shared, done = free_port(), ctx.Queue(), ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hpcrl-wsync-") as fs_dir:
-        proc = ctx.Process(target=_receiver, args=(port, size, repeats, fs_dir, done))
+        proc = ctx.Process(target=_receiver, args=(port, size, repeats, fs_dir, shared, done))
         proc.start()
         pg, _store = make_group("127.0.0.1", port, 0, 2)
         times: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
         flat = torch.randn(nbytes // 4)
+        shm = SharedMemorySync()
         for _ in range(repeats):
+            t0 = time.perf_counter()
+            _, header = shm.send(tensors)
+            shared.put((shm.path, header))
+            times["shared memory"].append(done.get(timeout=600) - t0)
             t0 = time.perf_counter()
             pg.broadcast(flat, 0).wait()
             times["flat bound"].append(time.perf_counter() - t0)
