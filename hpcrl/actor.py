@@ -91,7 +91,8 @@ class Actor:
             else:
                 metrics: dict[str, float] = {}
                 engine.eval()
-                old = trainer.logprobs_of(engine, samples, rows, exp, self.pad_id, engine.device)
+                old = (dict(enumerate(samples.sampler_logprobs)) if a.old_logprobs == "sampler"
+                       else trainer.logprobs_of(engine, samples, rows, exp, self.pad_id, engine.device))
                 ref = (trainer.logprobs_of(self.ref_model, samples, rows, exp, self.pad_id, engine.device)
                        if self.ref_model is not None else None)
                 mask = trainer.response_mask([len(r) for r in samples.response_ids])

@@ -217,3 +217,20 @@ def test_ppo_critic_update_is_the_same_on_one_and_two_ranks(write_experiment):
         assert (d / "trainer" / "critic" / "latest").is_file()
         assert "critic/value_head.safetensors" in commit.read_manifest(d)["files"]  # checksummed
         assert (d / "kl_control.json").is_file()
+
+
+def test_old_logprobs_from_the_sampler_skip_the_recompute(write_experiment):
+    from transformers import AutoTokenizer
+
+    exp = config.load(write_experiment("sampler-old", algorithm={"old_logprobs": "sampler"}, run={"iterations": 1}))
+    run, _ = runs.prepare(exp, "sampler-old")
+    _commit_inputs(run, exp, AutoTokenizer.from_pretrained(exp.model.path))
+    executors.LocalExecutor(run, exp).submit("update", 0).job.results()
+    d = run.stage_dir(0, "update")
+    rollouts = {(r["prompt_index"], r["sample_index"]): r["logprobs"]
+                for r in commit.read_table(run.stage_dir(0, "generate"), "rollouts").to_pylist() if r["split"] == "train"}
+    for row in commit.read_table(d, "advantages").to_pylist():
+        assert row["old_logprobs"] == pytest.approx(rollouts[(row["prompt_index"], row["sample_index"])])
+    # the sampler's logprobs (set to -1.0 by the fixture) are far from the policy's: the ratio sees it
+    stats = commit.read_table(d, "stats").to_pylist()
+    assert stats[0]["ppo_kl"] < -0.01 and stats[0]["pg_clipfrac"] > 0
