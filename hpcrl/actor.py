@@ -82,6 +82,10 @@ class Actor:
         engines = {"trainer": engine, **({"critic": self.critic.engine} if self.critic is not None else {})}
         steps = [(epoch, mini) for epoch in range(exp.update.ppo_epochs)
                  for mini in trainer.split_mini_batches(n, exp.update.mini_batches, ctx.seed, epoch)]
+        trains_policy = self.critic is None or k >= a.critic_warmup
+        # Until the first optimizer step the policy is the old one: with no reference KL to price
+        # before it, the first mini-batch's old logprobs come from its own training forward pass.
+        own_old = a.old_logprobs == "recompute" and self.ref_model is None and trains_policy
         with ctx.timed("compute"):
             resumed = preemption.load_progress(engines, out_dir) if guard is not None else None
             if resumed is not None:
@@ -91,8 +95,12 @@ class Actor:
             else:
                 metrics: dict[str, float] = {}
                 engine.eval()
-                old = (dict(enumerate(samples.sampler_logprobs)) if a.old_logprobs == "sampler"
-                       else trainer.logprobs_of(engine, samples, rows, exp, self.pad_id, engine.device))
+                if a.old_logprobs == "sampler":
+                    old = dict(enumerate(samples.sampler_logprobs))
+                else:
+                    first = set(steps[0][1]) if own_old else set()
+                    later = trainer.rank_rows([i for i in range(n) if i not in first], rank, world)
+                    old = trainer.logprobs_of(engine, samples, later, exp, self.pad_id, engine.device)
                 ref = (trainer.logprobs_of(self.ref_model, samples, rows, exp, self.pad_id, engine.device)
                        if self.ref_model is not None else None)
                 mask = trainer.response_mask([len(r) for r in samples.response_ids])
@@ -111,13 +119,14 @@ class Actor:
                     adv, old_values, returns = self._gae(samples, rows, mask, kl_tokens, reward_coef, metrics)
                 stats = []
             loss_coef = control.kl_coef if control is not None and a.kl_mode == "loss" else 0.0
-            trains_policy = self.critic is None or k >= a.critic_warmup
             engine.train()
             for epoch, mini in steps[len(stats):]:
                 s = {"step": len(stats), "epoch": epoch}
                 if trains_policy:
-                    s.update(trainer.train_step(engine, samples, mini, adv, old, ref, exp, self.pad_id, rank,
-                                                world, kl_coef=loss_coef))
+                    fresh = own_old and not stats
+                    s.update(trainer.train_step(engine, samples, mini, adv, None if fresh else old, ref, exp,
+                                                self.pad_id, rank, world, kl_coef=loss_coef))
+                    old.update(s.pop("old", {}))
                 if self.critic is not None:
                     s.update(self.critic.train_step(samples, mini, old_values, returns))
                 stats.append(s)

@@ -69,7 +69,7 @@ class AlgorithmConfig(Section):
     clip_ratio_high: float = Field(0.0, ge=0, description="Upper clip range (clip-higher, e.g. 0.28); 0: same as clip_ratio.")
     dual_clip_c: float = Field(0.0, ge=0, description="Dual-clip constant c > 1 capping the loss of negative advantages; 0: off.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference policy (0: no reference); the adaptive controller's initial value.")
-    old_logprobs: Literal["recompute", "sampler"] = Field("recompute", description="The old policy's logprobs in the PPO ratio: `recompute` them with the trainer before the first step (a forward pass over the batch), or take the `sampler`'s (vLLM's, verl's bypass mode): one forward pass fewer, and the ratio then corrects for any sampler/trainer mismatch.")
+    old_logprobs: Literal["recompute", "sampler"] = Field("recompute", description="The old policy's logprobs in the PPO ratio: `recompute` them with the trainer (a forward pass before the first step over every mini-batch but the first, whose own training forward pass gives them while the policy is still the old one, when no reference KL is needed), or take the `sampler`'s (vLLM's, verl's bypass mode): one forward pass fewer, and the ratio then corrects for any sampler/trainer mismatch.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator for the penalty (k1, the log ratio, is the classic per-token reward penalty).")
     kl_mode: Literal["loss", "reward"] = Field("loss", description="Where the KL penalty goes: a loss term, or (ppo) a per-token reward -kl_coef * KL before GAE.")
     kl_target: float = Field(0.0, ge=0, description="Target KL per sample (summed over its tokens) of the adaptive KL controller (Ziegler et al. 2019); 0: fixed kl_coef.")
@@ -145,7 +145,7 @@ class UpdateConfig(Section):
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass (the batch is split into this many).")
     micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward per rank.")
     grad_clip: float = Field(1.0, ge=0, description="Gradient norm clipping (0: none).")
-    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage. Stages 1 and 2 run as 0 when update.world_size is 1: they partition over data-parallel ranks, and one rank has nothing to partition.")
     world_size: int = Field(1, ge=1, description="DeepSpeed ranks for the update (processes on this node).")
 
 

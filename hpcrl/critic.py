@@ -98,10 +98,9 @@ class Critic:
             self.engine.backward(out.loss * scale)
             sums["vf_loss"] += out.loss.item()
             sums["vf_clipfrac"] += out.clipfrac.item() * float(mb.mask.sum()) / n_tokens
-            self.engine.step()
+            grad_norm = trainer.engine_step(self.engine)
         stats = dict(zip(STAT_NAMES, trainer._all_sum([sums[k] for k in STAT_NAMES]), strict=True))
-        grad_norm = self.engine.get_global_grad_norm()
-        stats["vf_grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        stats["vf_grad_norm"] = grad_norm
         return stats
 
     def save(self, out: Path, state_dir: Path) -> None:

@@ -9,8 +9,10 @@ replayed, or continued in the other mode.
 
 For the update of iteration k the generator sends a command; the trainers run the update and
 commit it (with the policy and trainer state every `executor.checkpoint_every` updates); trainer
-0 then streams the weights, which the generator's vLLM workers load in place (hpcrl.vllm_ext),
-or, with `weight_sync = "filesystem"`, writes them for vLLM to reload. Then both sides compute
+0 then hands over the weights (hpcrl.weight_sync, by `executor.weight_sync`): broadcast over a
+process group, or copied into one shared-memory file when both tasks share a node, for the
+generator's vLLM workers to load in place (hpcrl.vllm_ext); or written as a policy version for
+vLLM to reload (`filesystem`). Then both sides compute
 logprobs of a fixed probe batch: a mismatch stops the run (hpcrl.weight_sync.check_probe).
 """
 

@@ -94,6 +94,14 @@ def micro_batches(samples: Samples, rows: list[int], size: int, pad_id: int) -> 
     return [collate(samples, rows[i: i + size], pad_id) for i in range(0, len(rows), size)]
 
 
+def zero_stage(exp: Experiment, world_size: int) -> int:
+    """The ZeRO stage DeepSpeed runs: update.zero_stage, except that stages 1 and 2 become 0 on one
+    rank. They partition optimizer state and gradients over the data-parallel ranks; with one rank
+    there is nothing to partition, and ZeRO-2's gradient buckets cost 13% of a 99M update on CPU."""
+    stage = exp.update.zero_stage
+    return 0 if world_size == 1 and stage in (1, 2) else stage
+
+
 def ds_config(exp: Experiment, world_size: int, grad_accum: int) -> dict:
     u = exp.update
     return {
@@ -101,7 +109,7 @@ def ds_config(exp: Experiment, world_size: int, grad_accum: int) -> dict:
         "gradient_accumulation_steps": grad_accum,
         "train_batch_size": u.micro_batch_size * grad_accum * world_size,
         "gradient_clipping": u.grad_clip,
-        "zero_optimization": {"stage": u.zero_stage, "stage3_gather_16bit_weights_on_model_save": True},
+        "zero_optimization": {"stage": zero_stage(exp, world_size), "stage3_gather_16bit_weights_on_model_save": True},
         "bf16": {"enabled": exp.model.dtype == "bfloat16"},
         "fp16": {"enabled": exp.model.dtype == "float16"},
         "steps_per_print": 1 << 30,
@@ -121,6 +129,20 @@ def make_engine(model, lr: float, exp: Experiment, world_size: int, grad_accum: 
         if path is None:
             raise RuntimeError(f"no DeepSpeed state of the {what} in {state_dir}")
     return engine
+
+
+def engine_step(engine) -> float:
+    """engine.step() after a micro-batch's backward; at the accumulation boundary, the gradient
+    norm before clipping (nan elsewhere). DeepSpeed records it only under ZeRO; without, it is
+    computed here from the (already all-reduced) gradients."""
+    boundary = engine.is_gradient_accumulation_boundary()
+    norm = None
+    if boundary and engine.zero_optimization_stage() == 0:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in engine.module.parameters() if p.grad is not None])
+    engine.step()
+    if norm is None and boundary:
+        norm = engine.get_global_grad_norm()
+    return float(norm) if norm is not None else float("nan")
 
 
 def rank_rows(rows: list[int], rank: int, world_size: int) -> list[int]:
@@ -201,13 +223,15 @@ def unpad_rows(values: torch.Tensor, mask: torch.Tensor) -> dict[int, list[float
 STAT_NAMES = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_ref", "entropy")
 
 
-def train_step(engine, samples: Samples, mini: list[int], adv: torch.Tensor | dict[int, list[float]], old: dict,
-               ref: dict | None, exp: Experiment, pad_id: int, rank: int, world_size: int,
+def train_step(engine, samples: Samples, mini: list[int], adv: torch.Tensor | dict[int, list[float]],
+               old: dict | None, ref: dict | None, exp: Experiment, pad_id: int, rank: int, world_size: int,
                kl_coef: float | None = None) -> dict[str, float]:
     """One optimizer step on one mini-batch; returns its statistics (global token means).
 
     `adv` is one advantage per sample ([samples]) or per-token advantages by row (PPO's GAE);
     `kl_coef` is the KL loss weight (default algorithm.kl_coef; 0 when the KL is in the reward).
+    `old=None` says the policy has not stepped since the batch was sampled: the old logprobs are
+    the forward pass's own (detached), and come back, gathered by row, as stats["old"].
     """
     a, u = exp.algorithm, exp.update
     kl_coef = a.kl_coef if kl_coef is None else kl_coef
@@ -216,13 +240,19 @@ def train_step(engine, samples: Samples, mini: list[int], adv: torch.Tensor | di
     scale = world_size * len(mbs)  # undo DeepSpeed's mean over ranks and micro-batches
     sums = dict.fromkeys(STAT_NAMES, 0.0)
     temperature = exp.generate.temperature or 1.0
+    fresh_old = {}
     for mb in mbs:
         mb = mb.to(engine.device)
         logits = engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
         logp = losses.token_logprobs(logits, mb.targets, temperature)
         token_entropy = losses.entropy(logits) if a.entropy_coef > 0 else None
         mb_adv = padded(adv, mb) if isinstance(adv, dict) else adv[mb.index].to(logp.device)
-        out = losses.ppo_clip(logp, padded(old, mb), mb_adv, mb.mask, a.clip_ratio,
+        if old is None:
+            mb_old = logp.detach()
+            fresh_old.update(zip(mb.index.tolist(), response_values(mb_old, mb), strict=True))
+        else:
+            mb_old = padded(old, mb)
+        out = losses.ppo_clip(logp, mb_old, mb_adv, mb.mask, a.clip_ratio,
                               padded(ref, mb) if ref is not None else None, kl_coef, a.kl_estimator, n_tokens,
                               clip_high=a.clip_ratio_high or None, dual_clip_c=a.dual_clip_c or None,
                               agg=a.loss_agg, n_seqs=len(mini), token_entropy=token_entropy,
@@ -241,12 +271,13 @@ def train_step(engine, samples: Samples, mini: list[int], adv: torch.Tensor | di
         sums["ppo_kl"] += out.ppo_kl.item() * tokens / n_tokens
         sums["kl_ref"] += out.kl_ref.item() * tokens / n_tokens
         sums["entropy"] += ent / n_tokens
-        engine.step()
+        grad_norm = engine_step(engine)
     stats = dict(zip(STAT_NAMES, _all_sum([sums[k] for k in STAT_NAMES]), strict=True))
-    grad_norm = engine.get_global_grad_norm()
-    stats["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    stats["grad_norm"] = grad_norm
     stats["lr"] = engine.get_lr()[0]
     stats["tokens"] = n_tokens
+    if old is None:
+        stats["old"] = _all_gather_rows(fresh_old)
     return stats
 
 

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from tests.conftest import load_tool
+
 
 def ceiling():
-    """tools/critic_ceiling.py as a module (tools/ is scripts, not a package)."""
-    path = Path(__file__).resolve().parents[1] / "tools" / "critic_ceiling.py"
-    spec = importlib.util.spec_from_file_location("critic_ceiling", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("critic_ceiling")
 
 
 class FixedModel:

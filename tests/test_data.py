@@ -1,10 +1,8 @@
 """Prompt datasets: verl's GSM8K parquet as is, HF `datasets` directories, and the length filter
 that preflight and the generate stage share."""
 
-import importlib.util
 import json
 import shutil
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -12,6 +10,7 @@ import pytest
 
 from hpcrl import config, data, preflight
 from hpcrl.config import ConfigError
+from tests.conftest import load_tool
 
 # A template unlike the tiny task's own, so a match proves the tokenizer's template was applied.
 TUTOR_TEMPLATE = (
@@ -44,12 +43,7 @@ INSTRUCTION = 'Let\'s think step by step and output the final answer after "####
 
 
 def prepare_gsm8k():
-    """tools/prepare_gsm8k.py as a module (tools/ is scripts, not a package)."""
-    path = Path(__file__).resolve().parents[1] / "tools" / "prepare_gsm8k.py"
-    spec = importlib.util.spec_from_file_location("prepare_gsm8k", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("prepare_gsm8k")
 
 
 def gsm8k_rows(n: int, split: str = "train") -> list[dict]:

@@ -119,6 +119,28 @@ def test_update_records_advantages_and_logprob_mismatch(one_rank):
     assert m["policy_version"] == 1 and m["inputs"]
 
 
+def test_old_logprobs_are_the_sampled_policy_s_in_every_mini_batch(one_rank):
+    """The first mini-batch's old logprobs come from its own training forward pass, the others'
+    from a pass before the first step: all are the base policy's, none the stepped policy's."""
+    from transformers import AutoModelForCausalLM
+
+    exp = config.load(one_rank.config_path)
+    base = AutoModelForCausalLM.from_pretrained(one_rank.policy_dir(0, exp.model.path), dtype=torch.float32).eval()
+    rollouts = {(r["prompt_index"], r["sample_index"]): r
+                for r in commit.read_table(one_rank.stage_dir(0, "generate"), "rollouts").to_pylist()}
+    rows = commit.read_table(one_rank.stage_dir(0, "update"), "advantages").to_pylist()
+    for row in rows:
+        r = rollouts[(row["prompt_index"], row["sample_index"])]
+        ids = torch.tensor([r["prompt_ids"] + r["response_ids"]])
+        with torch.no_grad():
+            lp = torch.log_softmax(base(input_ids=ids).logits[0, :-1].float(), -1)
+        want = lp[torch.arange(ids.shape[1] - 1), ids[0, 1:]][len(r["prompt_ids"]) - 1:].tolist()
+        assert row["old_logprobs"] == pytest.approx(want, abs=2e-5), (row["prompt_index"], row["sample_index"])
+    stats = commit.read_table(one_rank.stage_dir(0, "update"), "stats").to_pylist()
+    assert stats[0]["ppo_kl"] == 0 and stats[0]["pg_clipfrac"] == 0  # the first step is exactly on-policy
+    assert abs(stats[1]["ppo_kl"]) > 0  # the second sees the policy after the first step
+
+
 def test_committed_update_is_not_run_again(one_rank):
     before = (one_rank.stage_dir(0, "update") / "_COMMIT.json").read_bytes()
     exp = config.load(one_rank.config_path)

@@ -64,8 +64,8 @@ def test_a_missing_peer_times_out_instead_of_hanging():
 
 def _shared_receiver(path: str, header: list, ready, again, out) -> None:
     buffer = SharedMemorySync.map(path, header)
-    ready.put("mapped")
     first = {k: (str(v.dtype), list(v.shape), _raw(v)) for k, v in SharedMemorySync.receive(buffer, header)}
+    ready.put("read")  # only now may the sender rewrite the buffer
     again.get(timeout=60)  # the sender rewrote the buffer in place
     second = {k: _raw(v) for k, v in SharedMemorySync.receive(buffer, header)}
     out.put((first, second))
@@ -82,7 +82,7 @@ def test_shared_memory_delivers_bit_identical_tensors_in_place():
     ready, again, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_shared_receiver, args=(sync.path, header, ready, again, out))
     proc.start()
-    assert ready.get(timeout=60) == "mapped"
+    assert ready.get(timeout=60) == "read"
     for t in state.values():
         if t.is_floating_point():
             t.add_(1)
