@@ -169,6 +169,7 @@ class ExecutorConfig(Section):
     sync_bucket_mb: float = Field(64, ge=0, description="Resident: weight-sync bucket size in MB (0: one broadcast per tensor).")
     sync_check_tol: float = Field(0.0, ge=0, description="Resident: largest mean |logprob difference| between vLLM and the trainer on the probe batch after a sync (0: 1e-4 for float32, 2e-2 for 16-bit).")
     checkpoint_every: int = Field(1, ge=1, description="Resident: save the policy and trainer state every N updates (and after the last); a crash resumes from the last saved one.")
+    overlap_commit: bool = Field(True, description="Resident: commit each update (and write its checkpoint) in the background while the next generation runs; that generation commits only after it. Off: the generator waits for the commit.")
     colocate: bool = Field(False, description="Resident, GPUs: the generator and the trainer share the GPUs; vLLM sleeps (frees its memory) during each update.")
     stall_s: float = Field(20, gt=0, description="Resident: a task whose heartbeat stalls this long is taken as dead and the job stops.")
     collective_timeout_s: float = Field(1800, gt=0, description="Resident: timeout of every wait between tasks (commands, weight broadcast).")

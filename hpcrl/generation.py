@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,16 +135,17 @@ def _request(split: str, i: int, prompts: pa.Table, tokenizer) -> Request:
                    prompts["ground_truth"][i].as_py())
 
 
-def generate(ctx, llm, version: int, pool=None) -> None:
+def generate(ctx, llm, version: int, pool=None, await_policy: Callable[[], None] | None = None) -> None:
     """The generate stage of ctx.iteration with `llm` holding policy `version`: rollouts + metrics.
 
     With algorithm.dynamic_sampling, training prompts are sampled in rounds and scored here to
     choose the update batch (hpcrl/dynamic_sampling.py); the reward functions run on `pool` (the
-    resident mode's reward workers) when given."""
+    resident mode's reward workers) when given. `await_policy` returns once the update that made
+    the policy is committed (the resident trainer commits it while this samples)."""
     exp, k = ctx.exp, ctx.iteration
     if version != k:
         raise RuntimeError(f"generate of iteration {k} needs policy version {k}, the engine holds {version}")
-    if version > 0:
+    if version > 0 and await_policy is None:
         ctx.input_dir("update", k - 1)
     ctx.policy_version = version
     tokenizer = llm.get_tokenizer()
@@ -180,6 +182,10 @@ def generate(ctx, llm, version: int, pool=None) -> None:
         with ctx.timed("compute"):
             tables.append(sample(llm, list(val), 1, 0.0, 1.0, g.max_tokens, ctx.seed, k, version))
     rollouts = pa.concat_tables(tables)
+    if version > 0 and await_policy is not None:
+        with ctx.timed("wait"):
+            await_policy()
+        ctx.input_dir("update", k - 1)
     with ctx.timed("io"):
         ctx.writer.write_table("rollouts", rollouts)
     ctx.writer.metrics.update(rollout_metrics(rollouts, ctx.timings["compute"]))

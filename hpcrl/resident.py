@@ -7,18 +7,22 @@ plan as the staged controller (hpcrl.plan) and runs each stage through hpcrl.sta
 a resident run commits exactly the outputs of a staged one and can be resumed, inspected,
 replayed, or continued in the other mode.
 
-For the update of iteration k the generator sends a command; the trainers run the update and
-commit it (with the policy and trainer state every `executor.checkpoint_every` updates); trainer
-0 then hands over the weights (hpcrl.weight_sync, by `executor.weight_sync`): broadcast over a
+For the update of iteration k the generator sends a command; the trainers run the update, and
+trainer 0 hands over the weights (hpcrl.weight_sync, by `executor.weight_sync`): broadcast over a
 process group, or copied into one shared-memory file when both tasks share a node, for the
 generator's vLLM workers to load in place (hpcrl.vllm_ext); or written as a policy version for
 vLLM to reload (`filesystem`). Then both sides compute
 logprobs of a fixed probe batch: a mismatch stops the run (hpcrl.weight_sync.check_probe).
+The trainers commit the update (with the policy and trainer state every
+`executor.checkpoint_every` updates) in the background while the generator samples the next
+batch (`executor.overlap_commit`); that generation commits only once the update it depends on
+has, so the run directory never holds a stage whose input is not committed.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 import traceback
 
@@ -28,7 +32,7 @@ from hpcrl import plan, weight_sync
 from hpcrl.config import Experiment
 from hpcrl.roles import HEARTBEAT_S, ControlPlane, Layout
 from hpcrl.rundir import RunDir
-from hpcrl.stage import run_stage
+from hpcrl.stage import OpenStage, run_stage
 
 PROBE_PROMPTS = 4
 
@@ -132,6 +136,8 @@ class Trainer:
         self.version = run.latest_saved_version()
         self.actor = Actor.for_version(exp, run, self.version, rank, world)
         self.last_probe, self.sender, self.shared = None, None, None
+        self.committer: threading.Thread | None = None
+        self.commit_error: BaseException | None = None
         if rank == 0 and self.transport == "process_group":
             pg = weight_sync.group_on(plane.store, 0, 2, exp.executor.collective_timeout_s, _backend())
             device = str(self.actor.engine.device) if _backend() == "nccl" else "cpu"
@@ -144,6 +150,7 @@ class Trainer:
 
         while True:
             cmd = self.plane.receive()
+            self._await_commit()  # the previous update's commit ends before any new collective
             if cmd["op"] == "stop":
                 break
             self._update(cmd["iteration"], cmd["checkpoint"], cmd["probe"])
@@ -152,13 +159,12 @@ class Trainer:
     def _update(self, k: int, checkpoint: bool, probe: list[list[int]]) -> None:
         # the probe under the current weights: the previous update's "new", or computed once
         old = self.last_probe if self.last_probe is not None else self.actor.sequence_logprobs(probe)
-
-        def body(ctx):
-            self.actor.update(ctx)
-            if checkpoint:
-                self.actor.save(ctx)
-
-        run_stage("update", self.run.root, k, body, self.rank, self.exp.update.world_size, startup=0.0)
+        attempt = OpenStage("update", self.run.root, k, self.rank, self.exp.update.world_size, startup=0.0)
+        overlap = self.exp.executor.overlap_commit
+        if attempt.ctx is not None:
+            attempt.run(self.actor.update)
+            if not overlap:
+                self._commit(attempt, k, checkpoint)
         new = self.last_probe = self.actor.sequence_logprobs(probe)
         t0 = time.perf_counter()
         reply = {"probe_old": old, "probe_new": new}
@@ -168,6 +174,36 @@ class Trainer:
         reply["send_s"] = time.perf_counter() - t0
         if self.rank == 0:
             self.plane.reply(reply)
+        if attempt.ctx is None and self.rank == 0:  # committed by an earlier attempt
+            self.plane.signal(f"committed/{k}")
+        elif attempt.ctx is not None and overlap:  # the checkpoint and the commit run while the generator samples the next batch
+            self.committer = threading.Thread(target=self._commit_in_background, args=(attempt, k, checkpoint),
+                                              name="hpcrl-commit", daemon=True)
+            self.committer.start()
+
+    def _commit(self, attempt: OpenStage, k: int, checkpoint: bool) -> None:
+        """The update's outputs (with the policy and trainer state when due) committed; the
+        generator told, for the generation that records this update as its input."""
+        if checkpoint:
+            attempt.run(self.actor.save)
+        attempt.commit()
+        if self.rank == 0:
+            self.plane.signal(f"committed/{k}")
+
+    def _commit_in_background(self, attempt: OpenStage, k: int, checkpoint: bool) -> None:
+        try:
+            self._commit(attempt, k, checkpoint)
+        except BaseException as err:  # noqa: BLE001  (every task stops: the monitors read the flag)
+            self.commit_error = err
+            traceback.print_exc()
+            self.plane.fail(f"committing the update of iteration {k}: {type(err).__name__}: {err}".splitlines()[0])
+
+    def _await_commit(self) -> None:
+        if self.committer is not None:
+            self.committer.join()
+            self.committer = None
+        if self.commit_error is not None:
+            raise RuntimeError("the previous update's commit failed") from self.commit_error
 
     def _send(self, params) -> dict:
         """Rank 0: the weights out through the configured transport; what the generator needs."""
@@ -207,16 +243,18 @@ class Generator:
             self.pool = ProcessPoolExecutor(exp.reward.workers, mp_context=multiprocessing.get_context("spawn"))
         self.probe = probe_sequences(exp, self.llm.get_tokenizer())
         self.sync_metrics: dict[str, float] = {}
+        self.committing: int | None = None  # the update the trainers may still be committing
 
     def drive(self) -> None:
         from hpcrl import generation, scoring
 
         try:
-            while (nxt := plan.next_stage(self.run, self.exp)) is not None:
+            while (nxt := self._next_stage()) is not None:
                 k, stage = nxt
                 if stage == "generate":
                     def body(ctx):
-                        generation.generate(ctx, self.llm, self.version, self.pool)
+                        generation.generate(ctx, self.llm, self.version, self.pool,
+                                            self._await_commit if self.committing is not None else None)
                         ctx.writer.metrics.update(self.sync_metrics)
                     run_stage("generate", self.run.root, k, body, startup=0.0)
                 elif stage == "score":
@@ -224,11 +262,23 @@ class Generator:
                               startup=0.0)
                 else:
                     self._update(k)
+            self._await_commit()
         finally:
             if self.pool is not None:
                 self.pool.shutdown(cancel_futures=True)
         self.plane.send({"op": "stop"})
         self.plane.stop_monitor()
+
+    def _next_stage(self) -> tuple[int, str] | None:
+        """The next stage to run: the first uncommitted one, but for the update being committed."""
+        pending = [s for s in plan.pending_stages(self.run, self.exp) if s != (self.committing, "update")]
+        return pending[0] if pending else None
+
+    def _await_commit(self) -> None:
+        """Until the trainers have committed the update whose policy the engine holds."""
+        if self.committing is not None:
+            self.plane.wait_signal(f"committed/{self.committing}")
+            self.committing = None
 
     def _update(self, k: int) -> None:
         colocate = self.exp.executor.colocate and _backend() == "nccl"
@@ -253,6 +303,7 @@ class Generator:
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
         self.version = k + 1
+        self.committing = k if self.exp.executor.overlap_commit else None
         # trainer: gather + send (or write); generator: what remains after the last byte (or the reload)
         sync_s = reply["send_s"] + time.perf_counter() - t0
         from hpcrl import generation

@@ -63,6 +63,7 @@ class ControlPlane:
         self._seq = 0
         self._stopping = threading.Event()
         self._beats = 0
+        self._side, self._side_lock = None, threading.Lock()
 
     # -- failure and liveness -------------------------------------------------------------
     def fail(self, error: str, store=None) -> None:
@@ -90,12 +91,14 @@ class ControlPlane:
     def stop_monitor(self) -> None:
         self._stopping.set()
 
-    def _monitor(self) -> None:
+    def _connect(self, timeout: timedelta):
+        """Another client connection to the job's store."""
         import torch.distributed as dist
 
-        # A connection of its own: the main thread may sit in a blocking wait on self.store.
-        store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=30),
-                              wait_for_workers=False)
+        return dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout, wait_for_workers=False)
+
+    def _monitor(self) -> None:
+        store = self._connect(timedelta(seconds=30))  # the main thread may sit in a wait on self.store
         seen: dict[int, tuple[int, float]] = {}
         while not self._stopping.wait(HEARTBEAT_S):
             try:
@@ -151,3 +154,15 @@ class ControlPlane:
 
     def wait_reply(self, seq: int) -> dict:
         return json.loads(self._wait_key(f"reply/{seq}"))
+
+    # -- signals (any thread of any task -> whoever waits) -----------------------------------
+    def signal(self, name: str) -> None:
+        """Set `name` for `wait_signal`; safe from a thread other than the main one (its own
+        connection: the main one may be held by a blocking wait)."""
+        with self._side_lock:
+            if self._side is None:
+                self._side = self._connect(timedelta(seconds=self.timeout_s))
+            self._side.set(f"signal/{name}", "1")
+
+    def wait_signal(self, name: str) -> None:
+        self._wait_key(f"signal/{name}")

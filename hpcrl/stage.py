@@ -4,7 +4,8 @@ committed stage, stage outputs in a temporary directory, time the phases, commit
 Stage bodies (generate, score, update) receive a StageContext and only compute and write tables.
 Multi-rank stages (the update) call `run_stage` on every rank after initialising
 torch.distributed; only rank 0 locks and commits. Stage jobs (stages/) and the resident workers
-(hpcrl.resident) both run their stage bodies through `run_stage`.
+(hpcrl.resident) both run their stage bodies through `run_stage`, or through `OpenStage` when the
+commit comes later than the body (the resident trainer's checkpoint).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import shutil
 import socket
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,49 +96,96 @@ def _dist_broadcast(value):
     return box[0]
 
 
+class OpenStage:
+    """One attempt at a stage, from its lock to its commit. The body may run in parts, the
+    commit later and from another thread (the resident trainer commits an update, checkpoint
+    included, while the next generation runs); the stage lock is held until `commit` or `close`.
+
+    Every rank of a multi-rank stage opens it (collective); only rank 0 locks and commits."""
+
+    def __init__(self, stage: str, run_dir: str | os.PathLike, iteration: int, rank: int = 0,
+                 world_size: int = 1, startup: float | None = None):
+        startup = process_age() if startup is None else startup
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # compute jobs never reach a model hub
+        run = RunDir.at(run_dir)
+        exp = config.load(run.config_path)
+        self.stage, self.iteration, self.rank, self.world_size = stage, iteration, rank, world_size
+        self.out = run.stage_dir(iteration, stage)
+        self._sync = _dist_broadcast if world_size > 1 else (lambda v: v)
+        self._locks = ExitStack()
+        if rank == 0:
+            self._locks.enter_context(commit.stage_lock(self.out))
+        self.manifest: dict | None = None  # the committed manifest, once there is one
+        self.ctx: StageContext | None = None
+        try:
+            if self._sync(commit.is_committed(self.out) if rank == 0 else None):
+                self.manifest = commit.read_manifest(self.out)
+                self.close()
+                print(f"[{stage}] iteration {iteration} is already committed: nothing to do", flush=True)
+                return
+            tmp = Path(self._sync(str(commit.fresh_temp_dir(self.out)) if rank == 0 else None))
+        except BaseException:
+            self.close()
+            raise
+        self.ctx = StageContext(run, exp, stage, iteration, derive_seed(exp.run.seed, iteration, stage),
+                                commit.StageWriter(tmp), rank, world_size)
+        self.ctx.timings["startup"] = startup
+        self._busy = startup
+
+    def run(self, body: Body) -> None:
+        """Run (part of) the stage's work; its wall time counts in the stage's total."""
+        t0 = time.perf_counter()
+        try:
+            body(self.ctx)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self._busy += time.perf_counter() - t0
+
+    def commit(self) -> dict | None:
+        """Commit what the body wrote (collective); rank 0 returns the manifest. Releases the lock."""
+        ctx = self.ctx
+        try:
+            self._sync(None)  # every rank has written its part
+            ctx.timings["total"] = self._busy
+            if self.rank != 0:
+                return None
+            self.manifest = commit.commit(self.out, ctx.writer, {
+                "stage": self.stage,
+                "iteration": self.iteration,
+                "seed": ctx.seed,
+                "policy_version": ctx.policy_version,
+                "inputs": ctx.inputs,
+                "packages": package_versions(),
+                "timings": ctx.timings,
+                "host": socket.gethostname(),
+                "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+                "world_size": self.world_size,
+                "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
+            })
+        finally:
+            self.close()
+        shutil.rmtree(commit.partial_dir(self.out), ignore_errors=True)  # an interrupted update's progress
+        summary = ", ".join(f"{k} {v:.3g}" for k, v in sorted(self.manifest["metrics"].items())[:6])
+        print(f"[{self.stage}] iteration {self.iteration} committed in {ctx.timings['total']:.1f}s: {summary}",
+              flush=True)
+        return self.manifest
+
+    def close(self) -> None:
+        """Release the stage lock (idempotent); an uncommitted attempt leaves nothing behind but
+        its temporary directory, which the next attempt replaces."""
+        self._locks.close()
+
+
 def run_stage(stage: str, run_dir: str | os.PathLike, iteration: int, body: Body,
               rank: int = 0, world_size: int = 1, startup: float | None = None) -> dict | None:
     """Run `body` for one stage of one iteration and commit its output; no-op when committed.
 
     `startup` is the time spent before the body (default: this process's age, right for a stage
     job; a resident worker, already up, passes 0)."""
-    startup = process_age() if startup is None else startup
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # compute jobs never reach a model hub
-    run = RunDir.at(run_dir)
-    exp = config.load(run.config_path)
-    out = run.stage_dir(iteration, stage)
-    sync = _dist_broadcast if world_size > 1 else (lambda v: v)
-    lock = commit.stage_lock(out) if rank == 0 else nullcontext()
-    with lock:
-        skip = commit.is_committed(out) if rank == 0 else None
-        if sync(skip):
-            print(f"[{stage}] iteration {iteration} is already committed: nothing to do", flush=True)
-            return commit.read_manifest(out)
-        tmp = commit.fresh_temp_dir(out) if rank == 0 else None
-        tmp = Path(sync(str(tmp)))
-        ctx = StageContext(run, exp, stage, iteration, derive_seed(exp.run.seed, iteration, stage),
-                           commit.StageWriter(tmp), rank, world_size)
-        ctx.timings["startup"] = startup
-        t0 = time.perf_counter()
-        body(ctx)
-        sync(None)  # every rank has written its part
-        ctx.timings["total"] = time.perf_counter() - t0 + startup
-        if rank != 0:
-            return None
-        manifest = commit.commit(out, ctx.writer, {
-            "stage": stage,
-            "iteration": iteration,
-            "seed": ctx.seed,
-            "policy_version": ctx.policy_version,
-            "inputs": ctx.inputs,
-            "packages": package_versions(),
-            "timings": ctx.timings,
-            "host": socket.gethostname(),
-            "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
-            "world_size": world_size,
-            "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
-        })
-    shutil.rmtree(commit.partial_dir(out), ignore_errors=True)  # an interrupted update's progress
-    summary = ", ".join(f"{k} {v:.3g}" for k, v in sorted(manifest["metrics"].items())[:6])
-    print(f"[{stage}] iteration {iteration} committed in {ctx.timings['total']:.1f}s: {summary}", flush=True)
-    return manifest
+    attempt = OpenStage(stage, run_dir, iteration, rank, world_size, startup)
+    if attempt.ctx is None:
+        return attempt.manifest
+    attempt.run(body)
+    return attempt.commit()

@@ -74,3 +74,51 @@ def test_second_controller_is_refused_and_lock_survives_a_crash(tmp_path):
             RunLock(run).acquire()
     with RunLock(run):  # released on exit; a crashed holder's flock is released by the kernel
         pass
+
+
+def test_an_open_stage_holds_its_lock_until_a_later_commit_from_another_thread(tmp_path):
+    """The resident trainer's pattern: the body now, more of it and the commit later in a
+    background thread; a second attempt waits for the lock and then finds the stage committed."""
+    import threading
+    import time
+
+    from hpcrl.stage import OpenStage
+    from tests.synthetic_run import write_config
+
+    root = tmp_path / "r"
+    write_config(root, 1)
+    first = OpenStage("score", root, 0, startup=0.0)
+    first.run(lambda ctx: (ctx.writer.write_table("scores", _scores()), time.sleep(0.2)))
+    second: list[OpenStage] = []
+    waiter = threading.Thread(target=lambda: second.append(OpenStage("score", root, 0, startup=0.0)))
+    waiter.start()
+    time.sleep(0.3)
+    assert not second and not commit.is_committed(first.out)  # the lock is still held
+
+    def later(ctx):
+        ctx.writer.metrics["m"] = 2.0
+        time.sleep(0.2)
+
+    committer = threading.Thread(target=lambda: (first.run(later), first.commit()))
+    committer.start()
+    committer.join()
+    waiter.join(timeout=10)
+    manifest = commit.read_manifest(first.out)
+    assert manifest["metrics"] == {"m": 2.0} and manifest["tables"]["scores"]["rows"] == 3
+    assert 0.4 <= manifest["timings"]["total"] < 1.0  # both parts, not the wait between them
+    assert second[0].ctx is None and second[0].manifest == manifest  # nothing to do, nothing overwritten
+
+
+def test_a_failed_open_stage_releases_its_lock_and_commits_nothing(tmp_path):
+    from hpcrl.stage import OpenStage
+    from tests.synthetic_run import write_config
+
+    root = tmp_path / "r"
+    write_config(root, 1)
+    attempt = OpenStage("score", root, 0, startup=0.0)
+    with pytest.raises(ZeroDivisionError):
+        attempt.run(lambda ctx: 1 / 0)
+    assert not commit.is_committed(attempt.out)
+    retry = OpenStage("score", root, 0, startup=0.0)  # would block forever if the lock were held
+    retry.run(lambda ctx: ctx.writer.write_table("scores", _scores()))
+    assert retry.commit()["tables"]["scores"]["rows"] == 3

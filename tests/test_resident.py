@@ -120,7 +120,9 @@ def _same_outputs(a: RunDir, b: RunDir, exp) -> None:
 
 def test_resident_runs_commit_what_the_staged_run_commits(write_experiment):
     staged = write_experiment("staged")
-    resident = [write_experiment(f"res-{sync}", executor={**RESIDENT, "checkpoint_every": 2, "weight_sync": sync})
+    # the filesystem run commits each update before the next generation (overlap_commit off)
+    resident = [write_experiment(f"res-{sync}", executor={**RESIDENT, "checkpoint_every": 2, "weight_sync": sync,
+                                                          "overlap_commit": sync != "filesystem"})
                 for sync in ("process_group", "shared_memory", "filesystem")]
     for path in (staged, *resident):
         out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True, text=True)
@@ -137,6 +139,12 @@ def test_resident_runs_commit_what_the_staged_run_commits(write_experiment):
         # checkpoint_every = 2: version 1 is not saved, version 2 (the last) is.
         assert not b.has_policy(1) and b.has_policy(2)
         assert commit.read_manifest(b.stage_dir(0, "update"))["timings"]["startup"] == 0.0
+        for k in range(exp.run.iterations):  # a generation commits after the update it depends on
+            update, generate = (commit.read_manifest(b.stage_dir(k, "update")),
+                                commit.read_manifest(b.stage_dir(k + 1, "generate")))
+            assert update["committed_at"] < generate["committed_at"], (path, k)
+            assert generate["inputs"][f"update@iter_{k:06d}"] == commit.manifest_digest(b.stage_dir(k, "update"))
+            assert ("wait" in generate["timings"]) == exp.executor.overlap_commit
 
 
 def test_killed_generator_stops_the_job_within_seconds_and_the_run_resumes_staged(write_experiment):
