@@ -182,3 +182,39 @@ def test_killed_generator_stops_the_job_within_seconds_and_the_run_resumes_stage
     assert "moved aside update.rolled-back-" in out + resumed.stdout
     assert list(run.iteration_dir(0).glob("update.rolled-back-*"))
     assert plan.next_stage(run, config.load(run.config_path)) is None
+
+
+def test_a_failed_background_commit_stops_every_task_and_commits_nothing(tmp_path):
+    """The update's commit runs in a thread while the generator samples: if it fails (a full
+    disk), the failure flag stops every task (their monitors read it), the trainer's next command
+    raises, and the update is left uncommitted for `hpcrl resume` to redo."""
+    from hpcrl.resident import Trainer
+    from hpcrl.stage import OpenStage
+    from tests.synthetic_run import write_config
+
+    class Plane:
+        failed, signals = [], []
+
+        def fail(self, error):
+            self.failed.append(error)
+
+        def signal(self, name):
+            self.signals.append(name)
+
+    class Actor:
+        def save(self, ctx):
+            raise OSError(28, "No space left on device")
+
+    root = tmp_path / "r"
+    write_config(root, 2)
+    trainer = Trainer.__new__(Trainer)
+    trainer.plane, trainer.actor, trainer.rank, trainer.commit_error = Plane(), Actor(), 0, None
+    attempt = OpenStage("update", root, 1, startup=0.0)
+    trainer.committer = threading.Thread(target=trainer._commit_in_background, args=(attempt, 1, True))
+    trainer.committer.start()
+    with pytest.raises(RuntimeError, match="commit failed"):
+        trainer._await_commit()
+    assert trainer.plane.failed == ["committing the update of iteration 1: OSError: [Errno 28] No space left on device"]
+    assert trainer.plane.signals == []  # the generator never commits a generation on top of it
+    assert not commit.is_committed(attempt.out)
+    OpenStage("update", root, 1, startup=0.0).close()  # the lock was released: a retry can start
