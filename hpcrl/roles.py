@@ -67,11 +67,11 @@ class ControlPlane:
 
     # -- failure and liveness -------------------------------------------------------------
     def fail(self, error: str, store=None) -> None:
-        """Tell every task that this one failed (first failure wins). The monitor passes its own
-        connection: the main one may be held by a blocking wait."""
+        """Tell every task that this one failed (first failure wins), from any thread: not over
+        the main connection, which a blocking wait may hold (the monitor passes its own)."""
         info = json.dumps({"rank": self.rank, "who": self.layout.name(self.rank), "error": error})
         try:
-            (store or self.store).compare_set("failed", "", info)
+            (store or self._side_store()).compare_set("failed", "", info)
         except Exception:  # noqa: BLE001  (the store may be gone already: nothing more to tell)
             pass
 
@@ -96,6 +96,13 @@ class ControlPlane:
         import torch.distributed as dist
 
         return dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout, wait_for_workers=False)
+
+    def _side_store(self):
+        """A second connection for what any thread may send (signals, the failure flag)."""
+        with self._side_lock:
+            if self._side is None:
+                self._side = self._connect(timedelta(seconds=30))
+            return self._side
 
     def _monitor(self) -> None:
         store = self._connect(timedelta(seconds=30))  # the main thread may sit in a wait on self.store
@@ -159,10 +166,7 @@ class ControlPlane:
     def signal(self, name: str) -> None:
         """Set `name` for `wait_signal`; safe from a thread other than the main one (its own
         connection: the main one may be held by a blocking wait)."""
-        with self._side_lock:
-            if self._side is None:
-                self._side = self._connect(timedelta(seconds=self.timeout_s))
-            self._side.set(f"signal/{name}", "1")
+        self._side_store().set(f"signal/{name}", "1")
 
     def wait_signal(self, name: str) -> None:
         self._wait_key(f"signal/{name}")

@@ -218,3 +218,25 @@ def test_a_failed_background_commit_stops_every_task_and_commits_nothing(tmp_pat
     assert trainer.plane.signals == []  # the generator never commits a generation on top of it
     assert not commit.is_committed(attempt.out)
     OpenStage("update", root, 1, startup=0.0).close()  # the lock was released: a retry can start
+
+
+def test_signals_and_the_failure_flag_get_through_while_the_main_connection_waits():
+    """The trainer's commit thread signals the generator, or raises the failure flag, while the
+    trainer's main thread is blocked waiting for the next command on the store."""
+    from hpcrl.distributed import free_port
+    from hpcrl.roles import ControlPlane, Layout
+
+    plane = ControlPlane("127.0.0.1", free_port(), 0, Layout(1), timeout_s=60)
+    waiting = threading.Thread(target=plane.receive, daemon=True)  # blocks on cmd/1
+    waiting.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    plane.signal("committed/0")
+    plane.fail("committing the update of iteration 0: OSError: disk full")
+    assert time.monotonic() - t0 < 5  # neither waited for the blocked connection
+    other = plane._connect(timedelta(seconds=10))
+    assert other.get("signal/committed/0") == b"1"
+    assert b"disk full" in other.get("failed")
+    other.set("cmd/1", "{}")  # ends the wait
+    waiting.join(timeout=10)
+    assert not waiting.is_alive()
