@@ -81,7 +81,8 @@ class Actor:
         engine, out_dir = self.engine, ctx.run.stage_dir(k, "update")
         engines = {"trainer": engine, **({"critic": self.critic.engine} if self.critic is not None else {})}
         steps = [(epoch, mini) for epoch in range(exp.update.ppo_epochs)
-                 for mini in trainer.split_mini_batches(n, exp.update.mini_batches, ctx.seed, epoch)]
+                 for mini in trainer.split_mini_batches(samples.group_ids.tolist(), exp.update.mini_batches,
+                                                          ctx.seed, epoch)]
         trains_policy = self.critic is None or k >= a.critic_warmup
         # Until the first optimizer step the policy is the old one: with no reference KL to price
         # before it, the first mini-batch's old logprobs come from its own training forward pass.

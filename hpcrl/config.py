@@ -144,6 +144,7 @@ class UpdateConfig(Section):
     ppo_epochs: int = Field(1, ge=1, description="Passes over each iteration's batch.")
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass (the batch is split into this many).")
     micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward per rank.")
+    share_prompts: bool = Field(True, description="Run each distinct prompt of a micro-batch once and its responses on its KV cache (a GRPO group's samples share one prompt): the same loss and gradient (to float rounding) for fewer tokens of compute. `false` runs every row whole (for a model whose cache cannot be batch-indexed).")
     grad_clip: float = Field(1.0, ge=0, description="Gradient norm clipping (0: none).")
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage. Stages 1 and 2 run as 0 when update.world_size is 1: they partition over data-parallel ranks, and one rank has nothing to partition.")
     world_size: int = Field(1, ge=1, description="DeepSpeed ranks for the update (processes on this node).")

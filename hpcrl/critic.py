@@ -22,11 +22,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpcrl import advantages, losses, trainer
+from hpcrl import advantages, batches, losses, trainer
 from hpcrl.config import AlgorithmConfig, Experiment
 
 HEAD_FILE = "value_head.safetensors"
 STAT_NAMES = ("vf_loss", "vf_clipfrac")
+
+
+@dataclass
+class ValueOutput:
+    values: torch.Tensor
+    past_key_values: object = None
 
 
 class ValueModel(torch.nn.Module):
@@ -36,10 +42,11 @@ class ValueModel(torch.nn.Module):
         hidden = backbone.config.get_text_config().hidden_size
         self.value_head = torch.nn.Linear(hidden, 1, dtype=backbone.dtype)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Values [batch, tokens] (float32) at every position."""
-        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        return self.value_head(h).squeeze(-1).float()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **backbone_kwargs) -> ValueOutput:
+        """Values [batch, tokens] (float32) at every position; the backbone's cache when asked for
+        (`use_cache`, `past_key_values`, `position_ids` go to the backbone)."""
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, **{"use_cache": False, **backbone_kwargs})
+        return ValueOutput(self.value_head(out.last_hidden_state).squeeze(-1).float(), out.past_key_values)
 
 
 def load_value_model(path: str | Path, dtype: torch.dtype) -> ValueModel:
@@ -71,10 +78,11 @@ class Critic:
         """Values at the response tokens of `rows` (all ranks together, gathered)."""
         self.engine.eval()
         out = {}
-        for mb in trainer.micro_batches(samples, rows, self.exp.update.micro_batch_size, self.pad_id):
+        for mb in batches.micro_batches(samples, rows, self.exp.update.micro_batch_size, self.pad_id,
+                                        self.exp.update.share_prompts):
             mb = mb.to(self.engine.device)
-            values = self.engine(mb.input_ids, mb.attention_mask)[:, :-1]
-            for i, v in zip(mb.index.tolist(), trainer.response_values(values, mb), strict=True):
+            values = batches.response_outputs(self.engine, mb, "values")
+            for i, v in zip(mb.index.tolist(), batches.response_values(values, mb), strict=True):
                 out[i] = v
         return trainer._all_gather_rows(out)
 
@@ -83,14 +91,14 @@ class Critic:
         a, u = self.exp.algorithm, self.exp.update
         self.engine.train()
         n_tokens = sum(len(samples.response_ids[i]) for i in mini)
-        mbs = trainer.micro_batches(samples, trainer.rank_rows(mini, self.rank, self.world_size),
-                                    u.micro_batch_size, self.pad_id)
+        mbs = batches.micro_batches(samples, trainer.rank_rows(mini, self.rank, self.world_size),
+                                    u.micro_batch_size, self.pad_id, u.share_prompts)
         scale = self.world_size * len(mbs)  # undo DeepSpeed's mean over ranks and micro-batches
         sums = dict.fromkeys(STAT_NAMES, 0.0)
         for mb in mbs:
             mb = mb.to(self.engine.device)
-            values = self.engine(mb.input_ids, mb.attention_mask)[:, :-1]
-            out = losses.value_loss(values, trainer.padded(old_values, mb), trainer.padded(returns, mb), mb.mask,
+            values = batches.response_outputs(self.engine, mb, "values")
+            out = losses.value_loss(values, batches.padded(old_values, mb), batches.padded(returns, mb), mb.mask,
                                     a.value_clip, n_tokens, a.loss_agg, len(mini))
             if not torch.isfinite(out.loss):
                 raise FloatingPointError(f"non-finite critic loss ({out.loss.item()}) on rank {self.rank}; the "

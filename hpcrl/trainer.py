@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl import losses
+from hpcrl.batches import micro_batches, padded, response_outputs, response_values
 from hpcrl.config import Experiment
 from hpcrl.schemas import SAMPLE_KEYS
 
@@ -55,43 +56,6 @@ def load_samples(rollouts: pa.Table, scores: pa.Table) -> Samples:
         rewards=torch.tensor(s["reward"].to_numpy(), dtype=torch.float64),
         group_ids=torch.tensor(train["prompt_index"].to_numpy()),
     )
-
-
-@dataclass
-class MicroBatch:
-    index: torch.Tensor  # rows of Samples
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    targets: torch.Tensor  # input_ids shifted left
-    mask: torch.Tensor  # 1 where the target is a response token
-
-    def to(self, device) -> MicroBatch:
-        return MicroBatch(self.index, *(t.to(device) for t in
-                                        (self.input_ids, self.attention_mask, self.targets, self.mask)))
-
-
-def collate(samples: Samples, rows: list[int], pad_id: int) -> MicroBatch:
-    """Right-padded prompt+response sequences with a mask over the response targets."""
-    seqs = [samples.prompt_ids[i] + samples.response_ids[i] for i in rows]
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width - 1), dtype=torch.float32)
-    for b, (i, seq) in enumerate(zip(rows, seqs, strict=True)):
-        ids[b, : len(seq)] = torch.tensor(seq)
-        attn[b, : len(seq)] = 1
-        p, r = len(samples.prompt_ids[i]), len(samples.response_ids[i])
-        mask[b, p - 1: p - 1 + r] = 1.0  # logits at position t predict token t + 1
-    return MicroBatch(torch.tensor(rows), ids, attn, ids[:, 1:], mask)
-
-
-def response_values(values: torch.Tensor, batch: MicroBatch) -> list[list[float]]:
-    """Per-row lists of a [batch, tokens] tensor at the response positions."""
-    return [values[b][batch.mask[b].bool()].tolist() for b in range(values.shape[0])]
-
-
-def micro_batches(samples: Samples, rows: list[int], size: int, pad_id: int) -> list[MicroBatch]:
-    return [collate(samples, rows[i: i + size], pad_id) for i in range(0, len(rows), size)]
 
 
 def zero_stage(exp: Experiment, world_size: int) -> int:
@@ -146,13 +110,20 @@ def engine_step(engine) -> float:
 
 
 def rank_rows(rows: list[int], rank: int, world_size: int) -> list[int]:
-    return rows[rank::world_size]
+    """This rank's contiguous share of `rows` (so a group's rows stay together on one rank)."""
+    bounds = np.linspace(0, len(rows), world_size + 1).round().astype(int)
+    return rows[bounds[rank]: bounds[rank + 1]]
 
 
-def split_mini_batches(n: int, mini_batches: int, seed: int, epoch: int) -> list[list[int]]:
-    perm = np.random.default_rng([seed, epoch]).permutation(n).tolist()
-    size = n // mini_batches
-    return [perm[i * size: (i + 1) * size] for i in range(mini_batches)]
+def split_mini_batches(group_ids: list[int], mini_batches: int, seed: int, epoch: int) -> list[list[int]]:
+    """The rows in equal mini-batches, groups in a random order (per seed and epoch), each group's
+    rows together (a group may straddle two mini-batches when the sizes do not divide)."""
+    groups = list(dict.fromkeys(group_ids))
+    order = {g: k for k, g in enumerate(np.random.default_rng([seed, epoch]).permutation(len(groups)).tolist())}
+    rank_of = {g: order[k] for k, g in enumerate(groups)}
+    rows = sorted(range(len(group_ids)), key=lambda i: (rank_of[group_ids[i]], i))
+    size = len(rows) // mini_batches
+    return [rows[i * size: (i + 1) * size] for i in range(mini_batches)]
 
 
 def check_batch_shape(exp: Experiment, n_samples: int, world_size: int) -> None:
@@ -183,21 +154,13 @@ def logprobs_of(model, samples: Samples, rows: list[int], exp: Experiment, pad_i
     """Response-token logprobs of `rows` under `model` (all ranks together, gathered)."""
     out = {}
     temperature = exp.generate.temperature or 1.0
-    for mb in micro_batches(samples, rows, exp.update.micro_batch_size, pad_id):
+    for mb in micro_batches(samples, rows, exp.update.micro_batch_size, pad_id, exp.update.share_prompts):
         mb = mb.to(device)
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
+        logits = response_outputs(model, mb)
         lp = losses.token_logprobs(logits, mb.targets, temperature)
         for i, values in zip(mb.index.tolist(), response_values(lp, mb), strict=True):
             out[i] = values
     return _all_gather_rows(out)
-
-
-def padded(rows_values: dict[int, list[float]], mb: MicroBatch) -> torch.Tensor:
-    """Per-row response values placed at the mask positions of a micro-batch."""
-    t = torch.zeros_like(mb.mask)
-    for b, i in enumerate(mb.index.tolist()):
-        t[b][mb.mask[b].bool()] = torch.tensor(rows_values[i], dtype=t.dtype, device=t.device)
-    return t
 
 
 def response_mask(lengths: list[int]) -> torch.Tensor:
@@ -236,14 +199,14 @@ def train_step(engine, samples: Samples, mini: list[int], adv: torch.Tensor | di
     a, u = exp.algorithm, exp.update
     kl_coef = a.kl_coef if kl_coef is None else kl_coef
     n_tokens = sum(len(samples.response_ids[i]) for i in mini)
-    mbs = micro_batches(samples, rank_rows(mini, rank, world_size), u.micro_batch_size, pad_id)
+    mbs = micro_batches(samples, rank_rows(mini, rank, world_size), u.micro_batch_size, pad_id, u.share_prompts)
     scale = world_size * len(mbs)  # undo DeepSpeed's mean over ranks and micro-batches
     sums = dict.fromkeys(STAT_NAMES, 0.0)
     temperature = exp.generate.temperature or 1.0
     fresh_old = {}
     for mb in mbs:
         mb = mb.to(engine.device)
-        logits = engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
+        logits = response_outputs(engine, mb)
         logp = losses.token_logprobs(logits, mb.targets, temperature)
         token_entropy = losses.entropy(logits) if a.entropy_coef > 0 else None
         mb_adv = padded(adv, mb) if isinstance(adv, dict) else adv[mb.index].to(logp.device)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hpcrl import commit, config, trainer
+from hpcrl.batches import micro_batches, response_values
 from hpcrl.rundir import RunDir
 
 pytestmark = pytest.mark.timeout(900)  # about 90 s on 2 CPU cores
@@ -72,9 +73,9 @@ def test_the_saved_critic_is_the_live_one(ppo_run):
     recorded = commit.read_table(run.stage_dir(1, "update"), "advantages")["values"].to_pylist()
     assert any(any(v) for v in recorded)  # the critic trained in iteration 0 predicts something
     with torch.no_grad():
-        for mb in trainer.micro_batches(samples, list(range(len(samples))), 16, pad):
-            values = model(mb.input_ids, mb.attention_mask)[:, :-1]
-            for i, v in zip(mb.index.tolist(), trainer.response_values(values, mb), strict=True):
+        for mb in micro_batches(samples, list(range(len(samples))), 16, pad):  # plain rows: no shared prompts
+            values = model(mb.input_ids, mb.attention_mask).values[:, :-1]
+            for i, v in zip(mb.index.tolist(), response_values(values, mb), strict=True):
                 np.testing.assert_allclose(v, recorded[i], atol=1e-5)
 
 

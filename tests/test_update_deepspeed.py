@@ -105,6 +105,23 @@ def test_two_ranks_match_one_rank_and_export_reloads_exactly(write_experiment, o
         assert torch.equal(reloaded[k], v), k
 
 
+def test_shared_prompts_update_the_policy_as_whole_rows_do(write_experiment, one_rank):
+    """update.share_prompts (the default, in one_rank) against every row run whole."""
+    run = _run_update(write_experiment, "whole", zero_stage=2, world_size=1, share_prompts=False)
+    stats = commit.read_table(run.stage_dir(0, "update"), "stats").to_pylist()
+    shared = commit.read_table(one_rank.stage_dir(0, "update"), "stats").to_pylist()
+    for a, b in zip(stats, shared, strict=True):
+        assert a["pg_loss"] == pytest.approx(b["pg_loss"], rel=1e-5, abs=1e-7)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["tokens"] == b["tokens"]
+    old = commit.read_table(run.stage_dir(0, "update"), "advantages")["old_logprobs"].to_pylist()
+    old_shared = commit.read_table(one_rank.stage_dir(0, "update"), "advantages")["old_logprobs"].to_pylist()
+    np.testing.assert_allclose(np.concatenate(old), np.concatenate(old_shared), atol=2e-5)
+    lr = config.load(run.config_path).update.lr
+    diffs = torch.cat([(w - _weights(one_rank)[k]).abs().flatten() for k, w in _weights(run).items()])
+    assert diffs.max() < 0.5 * lr and diffs.mean() < 1e-3 * lr
+
+
 def test_update_records_advantages_and_logprob_mismatch(one_rank):
     d = one_rank.stage_dir(0, "update")
     m = commit.read_manifest(d)

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import torch
 
 from hpcrl import commit, trainer
+from hpcrl.batches import collate, micro_batches, padded, response_values
 from hpcrl.config import load
 from hpcrl.critic import load_value_model
 from hpcrl.rundir import RunDir
@@ -65,9 +66,9 @@ def explained_variances(model, batches, pad: int) -> list[float]:
     for samples, returns in batches:
         values, targets = [], []
         with torch.no_grad():
-            for mb in trainer.micro_batches(samples, list(range(len(samples))), 256, pad):
-                v = model(mb.input_ids, mb.attention_mask)[:, :-1]
-                for i, row in zip(mb.index.tolist(), trainer.response_values(v, mb), strict=True):
+            for mb in micro_batches(samples, list(range(len(samples))), 256, pad):
+                v = model(mb.input_ids, mb.attention_mask).values[:, :-1]
+                for i, row in zip(mb.index.tolist(), response_values(v, mb), strict=True):
                     values += row
                     targets += returns[i]
         values, targets = np.asarray(values), np.asarray(targets)
@@ -115,9 +116,9 @@ def main() -> None:
     for target in [0] + [int(s) for s in args.steps.split(",")]:
         model.train()
         for _ in range(done, target):
-            mb = trainer.collate(data, torch.randint(len(data), (256,)).tolist(), pad)
-            v = model(mb.input_ids, mb.attention_mask)[:, :-1].float()
-            loss = ((v - trainer.padded(returns, mb)) ** 2 * mb.mask).sum() / mb.mask.sum()
+            mb = collate(data, torch.randint(len(data), (256,)).tolist(), pad)
+            v = model(mb.input_ids, mb.attention_mask).values[:, :-1].float()
+            loss = ((v - padded(returns, mb)) ** 2 * mb.mask).sum() / mb.mask.sum()
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), exp.update.grad_clip)

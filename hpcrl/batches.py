@@ -1,0 +1,132 @@
+"""The update's micro-batches: how rows become tensors, and how a model's per-token outputs
+(logits, values) for their response tokens are computed.
+
+A micro-batch comes in one of two layouts, and the code that uses it does not need to know which:
+`targets` and `mask` are aligned with what `response_outputs` returns, and `padded` /
+`response_values` move per-row values in and out of that alignment.
+
+- plain: each row is its prompt and response, right-padded; outputs are the model's at every
+  position but the last (the output at t is about token t + 1), masked to the response tokens.
+- shared prompts (`update.share_prompts`, when rows repeat a prompt, as a GRPO group does): each
+  distinct prompt is run once (left-padded, use_cache) and every row's response is run on a copy
+  of its prompt's KV cache. The output for the first response token is the prompt's last; the
+  rest come from the response pass. Autograd carries every row's gradient back through the cache
+  into the one prompt pass, so the loss and its gradient are the plain layout's (to float
+  rounding), for (prompt + n x response) instead of n x (prompt + response) tokens of compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from hpcrl.trainer import Samples
+
+
+@dataclass
+class SharedPrompts:
+    input_ids: torch.Tensor  # [prompts, longest prompt], left-padded
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    of_row: torch.Tensor  # [rows]: each row's prompt
+
+    def to(self, device) -> SharedPrompts:
+        return SharedPrompts(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.position_ids,
+                                                     self.of_row)))
+
+
+@dataclass
+class MicroBatch:
+    index: torch.Tensor  # rows of Samples
+    input_ids: torch.Tensor  # plain: prompt + response; shared prompts: the response only
+    attention_mask: torch.Tensor
+    targets: torch.Tensor  # the token each output position is about
+    mask: torch.Tensor  # 1 where that token is a response token
+    position_ids: torch.Tensor | None = None  # shared prompts: the responses' positions
+    prompts: SharedPrompts | None = None
+
+    def to(self, device) -> MicroBatch:
+        moved = (t.to(device) for t in (self.input_ids, self.attention_mask, self.targets, self.mask))
+        return MicroBatch(self.index, *moved,
+                          position_ids=None if self.position_ids is None else self.position_ids.to(device),
+                          prompts=None if self.prompts is None else self.prompts.to(device))
+
+
+def collate(samples: Samples, rows: list[int], pad_id: int, share_prompts: bool = False) -> MicroBatch:
+    """The rows as one micro-batch; with `share_prompts`, in the shared layout when a prompt repeats."""
+    distinct = {tuple(samples.prompt_ids[i]): None for i in rows}
+    if share_prompts and len(distinct) < len(rows):
+        return _collate_shared(samples, rows, pad_id, [list(p) for p in distinct])
+    seqs = [samples.prompt_ids[i] + samples.response_ids[i] for i in rows]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width - 1), dtype=torch.float32)
+    for b, (i, seq) in enumerate(zip(rows, seqs, strict=True)):
+        ids[b, : len(seq)] = torch.tensor(seq)
+        attn[b, : len(seq)] = 1
+        p, r = len(samples.prompt_ids[i]), len(samples.response_ids[i])
+        mask[b, p - 1: p - 1 + r] = 1.0  # logits at position t predict token t + 1
+    return MicroBatch(torch.tensor(rows), ids, attn, ids[:, 1:], mask)
+
+
+def _collate_shared(samples: Samples, rows: list[int], pad_id: int, prompts: list[list[int]]) -> MicroBatch:
+    longest = max(len(p) for p in prompts)
+    p_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    p_attn = torch.zeros_like(p_ids)
+    for j, p in enumerate(prompts):
+        p_ids[j, longest - len(p):] = torch.tensor(p)
+        p_attn[j, longest - len(p):] = 1
+    slot = {tuple(p): j for j, p in enumerate(prompts)}
+    of_row = torch.tensor([slot[tuple(samples.prompt_ids[i])] for i in rows])
+    width = max(1, max(len(samples.response_ids[i]) for i in rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for b, i in enumerate(rows):
+        r = samples.response_ids[i]
+        ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+        attn[b, : len(r)] = 1
+    lengths = torch.tensor([len(samples.prompt_ids[i]) for i in rows])
+    shared = SharedPrompts(p_ids, p_attn, (p_attn.cumsum(-1) - 1).clamp(min=0), of_row)
+    return MicroBatch(torch.tensor(rows), ids, attn, ids, attn.float(),
+                      position_ids=lengths[:, None] + torch.arange(width)[None], prompts=shared)
+
+
+def micro_batches(samples: Samples, rows: list[int], size: int, pad_id: int,
+                  share_prompts: bool = False) -> list[MicroBatch]:
+    return [collate(samples, rows[i: i + size], pad_id, share_prompts) for i in range(0, len(rows), size)]
+
+
+def response_outputs(model, mb: MicroBatch, field: str = "logits") -> torch.Tensor:
+    """The model's `field` output (logits; a value model's values) aligned with mb.targets.
+
+    `model` is called with HF keyword arguments (input_ids, attention_mask, position_ids,
+    past_key_values, use_cache) and returns an object with `field` and `past_key_values`."""
+    if mb.prompts is None:
+        return getattr(model(input_ids=mb.input_ids, attention_mask=mb.attention_mask), field)[:, :-1]
+    p = mb.prompts
+    last_only = {"logits_to_keep": 1} if field == "logits" else {}
+    first = model(input_ids=p.input_ids, attention_mask=p.attention_mask, position_ids=p.position_ids,
+                  use_cache=True, **last_only)
+    cache = first.past_key_values
+    cache.batch_select_indices(p.of_row)  # each row its prompt's keys and values (a differentiable gather)
+    rest = model(input_ids=mb.input_ids, attention_mask=torch.cat([p.attention_mask[p.of_row], mb.attention_mask], 1),
+                 position_ids=mb.position_ids, past_key_values=cache, use_cache=True)
+    return torch.cat([getattr(first, field)[p.of_row, -1:], getattr(rest, field)[:, :-1]], 1)
+
+
+def response_values(values: torch.Tensor, batch: MicroBatch) -> list[list[float]]:
+    """Per-row lists of a [batch, tokens] tensor at the response positions."""
+    return [values[b][batch.mask[b].bool()].tolist() for b in range(values.shape[0])]
+
+
+def padded(rows_values: dict[int, list[float]], mb: MicroBatch) -> torch.Tensor:
+    """Per-row response values placed at the mask positions of a micro-batch."""
+    t = torch.zeros_like(mb.mask)
+    for b, i in enumerate(mb.index.tolist()):
+        t[b][mb.mask[b].bool()] = torch.tensor(rows_values[i], dtype=t.dtype, device=t.device)
+    return t
+
