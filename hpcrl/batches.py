@@ -112,6 +112,9 @@ def response_outputs(model, mb: MicroBatch, field: str = "logits") -> torch.Tens
     first = model(input_ids=p.input_ids, attention_mask=p.attention_mask, position_ids=p.position_ids,
                   use_cache=True, **last_only)
     cache = first.past_key_values
+    if not hasattr(cache, "batch_select_indices"):
+        raise TypeError(f"update.share_prompts: this model's cache ({type(cache).__name__}) cannot be indexed by "
+                        "batch row; set update.share_prompts = false")
     cache.batch_select_indices(p.of_row)  # each row its prompt's keys and values (a differentiable gather)
     rest = model(input_ids=mb.input_ids, attention_mask=torch.cat([p.attention_mask[p.of_row], mb.attention_mask], 1),
                  position_ids=mb.position_ids, past_key_values=cache, use_cache=True)

@@ -151,7 +151,8 @@ def run_trl(python: Path, exp: config.Experiment, steps: int, work: Path) -> dic
             "reward last": res["rewards"][-1], "params": res["params"]}
 
 
-def run_hpcrl(exp: config.Experiment, steps: int, work: Path) -> dict[str, float]:
+def run_hpcrl(exp: config.Experiment, steps: int, work: Path, keep: bool = False) -> dict[str, float]:
+    """One hpcrl run; its run directory (GBs of checkpoints at 99M) goes once read, unless `keep`."""
     exp = config.with_overrides(exp, {"run.name": "bench", "run.runs_root": str(work / "runs"),
                                       "run.iterations": steps, "data.test": "", "tracking.enabled": False,
                                       "executor.kind": "local", "executor.mode": "resident"}, "bench_trl")
@@ -169,6 +170,8 @@ def run_hpcrl(exp: config.Experiment, steps: int, work: Path) -> dict[str, float
     stage_s = [sum(m["timings"]["total"] for m in it.values()) for it in manifests]
     commits = [it["update"]["committed_at"] for it in manifests]
     rewards = [it["score"]["metrics"]["critic/score/mean"] for it in manifests]
+    if not keep:
+        shutil.rmtree(work / "runs", ignore_errors=True)
     return {"stages": sum(stage_s[1:]), "stages all": sum(stage_s), "loop": commits[-1] - commits[0],
             "end to end": wall, "reward first": rewards[0], "reward last": rewards[-1]}
 
@@ -258,10 +261,11 @@ def main() -> None:
                     trl.append(run_trl(python, exp, steps, d))
                     res = trl[-1]
                 else:
-                    hp.append(run_hpcrl(exp, steps, d))
+                    hp.append(run_hpcrl(exp, steps, d, args.keep))
                     res = hp[-1]
                 log(f"  {name}: end to end {res['end to end']:.1f}s, reward {res['reward first']:.3f} -> "
-                    f"{res['reward last']:.3f}")
+                    f"{res['reward last']:.3f}" + (f"; steady {trl[-1]['steady']:.1f}s (TRL) vs {res['loop']:.1f}s"
+                                                   if name == "hpcrl" else ""))
     finally:
         if args.keep:
             log(f"kept {work}")
