@@ -43,11 +43,13 @@ def _drive(run: RunDir, exp: config.Experiment) -> None:
         click.echo(line)
 
 
-def _prepare(experiment: Path):
+def _prepare(experiment: Path, sets: tuple[str, ...] = ()):
     from hpcrl import preflight, runs
 
     try:
         exp = config.load(experiment)
+        if sets:
+            exp = config.with_overrides(exp, config.parse_assignments(sets), f"{experiment} with --set")
         notes = preflight.check(exp, str(experiment))
         run, resumed = runs.prepare(exp, str(experiment))
     except ConfigError as err:
@@ -61,13 +63,16 @@ def _prepare(experiment: Path):
 @click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--foreground", is_flag=True, help="Slurm: drive the run from this terminal instead of a controller job.")
 @click.option("--dry-run", is_flag=True, help="Write every sbatch script of the run under RUN/sbatch/ and stop.")
-def submit(experiment: Path, foreground: bool, dry_run: bool) -> None:
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Override a config key (TOML value, e.g. update.lr=1e-5 or run.name=\"lr-sweep-2\"); repeatable. "
+                   "The run's frozen config records the result.")
+def submit(experiment: Path, foreground: bool, dry_run: bool, sets: tuple[str, ...]) -> None:
     """Validate EXPERIMENT (a TOML file) and run it; resubmitting continues the same run.
 
     With the local executor the run is driven in this terminal. With the Slurm executor the
     controller is submitted as a small Slurm job and this command returns (--foreground keeps it here).
     """
-    exp, run, resumed = _prepare(experiment)
+    exp, run, resumed = _prepare(experiment, sets)
     if dry_run:
         from hpcrl import sbatch
 
@@ -314,21 +319,11 @@ def replay(run_dir: Path, iteration: int, stage: str, sets: tuple[str, ...], out
 
     Exit 0 only when the replay matches (byte-identical, or within tolerance for generate/update).
     """
-    import tomllib
-
     from hpcrl import replay as rp
     from hpcrl import runs
 
-    overrides = {}
-    for item in sets:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            _fail(f"--set {item!r}: expected KEY=VALUE")
-        try:
-            overrides[key] = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            overrides[key] = raw
     try:
+        overrides = config.parse_assignments(sets)
         run, exp = runs.open_run(run_dir)
         replay_run, replay_exp = rp.prepare(run, exp, iteration, stage, overrides, out)
         click.echo(f"replaying {stage} of iteration {iteration} in {replay_run.root}")

@@ -9,6 +9,7 @@ the run directory holds the fully resolved config, so stages need nothing else.
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -302,6 +303,20 @@ def load(path: str | Path) -> Experiment:
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML: {err}") from None
     return parse(data, str(path), path.resolve().parent)
+
+
+def parse_assignments(items: Iterable[str], source: str = "--set") -> dict[str, Any]:
+    """`KEY=VALUE` strings (dotted keys; VALUE a TOML value, else taken as a bare string) as overrides."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{source} {item!r}: expected KEY=VALUE, e.g. update.lr=1e-5 or run.name=\"try-2\"")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = raw
+    return out
 
 
 def with_overrides(exp: Experiment, overrides: dict[str, Any], source: str) -> Experiment:

@@ -37,3 +37,20 @@ def test_submit_with_bad_config_exits_with_a_sentence_not_a_traceback(write_expe
 def test_resume_of_a_directory_that_is_not_a_run(tmp_path):
     out = hpcrl("resume", str(tmp_path))
     assert out.returncode == 2 and "not an hpcrl run directory" in out.stderr
+
+
+def test_submit_set_overrides_keys_and_names_a_bad_one(write_experiment, tmp_path):
+    import tomllib
+
+    path = write_experiment("base")
+    out = hpcrl("submit", str(path), "--dry-run", "--set", "run.name=sweep-2", "--set", "update.lr=3e-5",
+                "--set", 'executor.kind="slurm"', "--set", "algorithm.loss_agg=seq-mean-token-mean")
+    assert out.returncode == 0, out.stderr
+    frozen = tomllib.loads((tmp_path / "runs" / "sweep-2" / "experiment.toml").read_text())
+    assert frozen["update"]["lr"] == 3e-5 and frozen["executor"]["kind"] == "slurm"
+    assert frozen["algorithm"]["loss_agg"] == "seq-mean-token-mean"  # a bare string is taken as one
+    assert not (tmp_path / "runs" / "base").exists()
+    for bad, says in (("update.lrr=1", "update.lrr: unknown key in [update]"), ("updat.lr=1", "updat.lr: unknown key"),
+                      ("update.lr", "expected KEY=VALUE"), ("update.lr=fast", "update.lr")):
+        out = hpcrl("submit", str(path), "--dry-run", "--set", bad)
+        assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, (bad, out.stderr)

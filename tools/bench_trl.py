@@ -46,7 +46,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from pathlib import Path
 
 from hpcrl import commit, config
@@ -207,19 +206,6 @@ def table(trl: list[dict], hp: list[dict], per_iter: int, steps: int) -> list[st
     return out
 
 
-def parse_sets(items: list[str]) -> dict[str, object]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set {item!r}: expected KEY=VALUE (a TOML value)")
-        try:
-            out[key] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            out[key] = value  # a bare string
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "demo.toml"))
@@ -243,7 +229,7 @@ def main() -> None:
     overrides = dict(size["set"])
     if args.model_size == "100m":
         overrides["model.path"] = str(model_100m(cache, Path(exp.model.path)))
-    overrides.update(parse_sets(args.set))
+    overrides.update(config.parse_assignments(args.set))
     if overrides:
         exp = config.with_overrides(exp, overrides, "bench_trl")
     python = trl_python(cache / "trl-venv")
