@@ -84,9 +84,12 @@ class Actor:
                  for mini in trainer.split_mini_batches(samples.group_ids.tolist(), exp.update.mini_batches,
                                                           ctx.seed, epoch)]
         trains_policy = self.critic is None or k >= a.critic_warmup
-        # Until the first optimizer step the policy is the old one: with no reference KL to price
-        # before it, the first mini-batch's old logprobs come from its own training forward pass.
-        own_old = a.old_logprobs == "recompute" and self.ref_model is None and trains_policy
+        # Until the first optimizer step the policy is the old one, so the first mini-batch's old
+        # logprobs come from its own training forward pass; unless GAE must price the reference KL
+        # into the rewards before any step (kl_mode "reward"). A KL in the loss is priced (for
+        # the controller and the metrics) after that step, once the old logprobs cover the batch.
+        own_old = (a.old_logprobs == "recompute" and trains_policy
+                   and not (self.ref_model is not None and a.kl_mode == "reward"))
         with ctx.timed("compute"):
             resumed = preemption.load_progress(engines, out_dir) if guard is not None else None
             if resumed is not None:
@@ -106,12 +109,8 @@ class Actor:
                        if self.ref_model is not None else None)
                 mask = trainer.response_mask([len(r) for r in samples.response_ids])
                 kl_tokens, control = None, None
-                if ref is not None:
-                    kl_tokens = losses.kl_penalty(trainer.pad_rows(old, mask), trainer.pad_rows(ref, mask),
-                                                  a.kl_estimator) * mask
-                    coef = kl_control.current_coef(a, previous)
-                    control = kl_control.step(a, coef, kl_control.sequence_kl(kl_tokens, mask), n)
-                    metrics.update({"critic/kl_coef": coef, "actor/reward_kl_penalty": control.kl})
+                if ref is not None and not own_old:
+                    kl_tokens, control = self._price_kl(samples, old, ref, previous, metrics)
                 old_values = returns = None
                 if self.critic is None:
                     adv = advantages.compute(a.name, samples.rewards, samples.group_ids, a.norm_adv_by_std)
@@ -119,7 +118,8 @@ class Actor:
                     reward_coef = control.kl_coef if control is not None and a.kl_mode == "reward" else 0.0
                     adv, old_values, returns = self._gae(samples, rows, mask, kl_tokens, reward_coef, metrics)
                 stats = []
-            loss_coef = control.kl_coef if control is not None and a.kl_mode == "loss" else 0.0
+            coef = kl_control.current_coef(a, previous) if ref is not None else 0.0
+            loss_coef = coef if a.kl_mode == "loss" else 0.0
             engine.train()
             for epoch, mini in steps[len(stats):]:
                 s = {"step": len(stats), "epoch": epoch}
@@ -128,6 +128,8 @@ class Actor:
                     s.update(trainer.train_step(engine, samples, mini, adv, None if fresh else old, ref, exp,
                                                 self.pad_id, rank, world, kl_coef=loss_coef))
                     old.update(s.pop("old", {}))
+                if ref is not None and control is None:  # own_old: the batch's old logprobs are all in now
+                    _, control = self._price_kl(samples, old, ref, previous, metrics)
                 if self.critic is not None:
                     s.update(self.critic.train_step(samples, mini, old_values, returns))
                 stats.append(s)
@@ -147,6 +149,17 @@ class Actor:
                     control.save(ctx.writer.dir)
             ctx.writer.metrics.update(update_metrics(stats, samples, old, ctx.timings["compute"]))
             ctx.writer.metrics.update(metrics)
+
+    def _price_kl(self, samples: trainer.Samples, old: dict, ref: dict, previous: Path | None,
+                  metrics: dict) -> tuple[torch.Tensor, kl_control.KLControl]:
+        """The batch's per-token KL to the reference (old vs ref logprobs) and this update's KL control record."""
+        a = self.exp.algorithm
+        mask = trainer.response_mask([len(r) for r in samples.response_ids])
+        kl_tokens = losses.kl_penalty(trainer.pad_rows(old, mask), trainer.pad_rows(ref, mask), a.kl_estimator) * mask
+        coef = kl_control.current_coef(a, previous)
+        control = kl_control.step(a, coef, kl_control.sequence_kl(kl_tokens, mask), len(samples))
+        metrics.update({"critic/kl_coef": coef, "actor/reward_kl_penalty": control.kl})
+        return kl_tokens, control
 
     def _gae(self, samples: trainer.Samples, rows: list[int], mask: torch.Tensor, kl_tokens: torch.Tensor | None,
              kl_coef: float, metrics: dict) -> tuple[dict, dict, dict]:

@@ -6,6 +6,8 @@ through submitit's LocalExecutor with one task per rank.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -182,7 +184,14 @@ def test_kl_penalty_to_the_reference_policy(write_experiment):
     stats = commit.read_table(d, "stats").to_pylist()
     assert stats[0]["kl_ref"] == pytest.approx(0.0, abs=1e-9)  # before any step
     assert stats[1]["kl_ref"] > 0  # the first step moved the policy away from the reference
-    assert commit.read_manifest(d)["metrics"]["actor/kl_loss"] > 0
+    # the KL is in the loss: the first mini-batch's old logprobs are its own forward pass's (the
+    # ratio is exactly 1), and the batch's KL to the reference is priced after that step
+    assert stats[0]["ppo_kl"] == 0 and stats[0]["pg_clipfrac"] == 0
+    metrics = commit.read_manifest(d)["metrics"]
+    assert metrics["actor/kl_loss"] > 0 and metrics["critic/kl_coef"] == pytest.approx(0.1)
+    assert metrics["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-6)  # old (v0) against ref (v0)
+    record = json.loads((d / "kl_control.json").read_text())
+    assert record["kl_coef"] == record["next_kl_coef"] == pytest.approx(0.1)
 
 
 def test_update_with_rloo_seq_mean_aggregation_clip_variants_and_entropy_bonus(write_experiment):
