@@ -7,12 +7,16 @@ DIR defaults to $HPCRL_TINY_TASK_DIR, else <repo>/.cache/tiny-addition. It recei
   data/        train.parquet and test.parquet (disjoint prompts) in verl's layout
   BUILD.json   parameters, hash of (this script + parameters), measured accuracies, library versions
 
-The warm start follows FACTS.md: a supervised pass on correct sums, then a short pass where about
-60% of the answers are zero-padded to 4 digits ("0082", which earns no reward). The model's
-arithmetic stays mostly right while its greedy exact-match accuracy is low but not zero, so GRPO
-has a format error to fix. The build is deterministic (fixed seeds and thread count) and cached:
-when BUILD.json carries the current hash the script exits before importing anything heavy.
-Files are written to a temporary directory beside DIR and renamed into place at the end.
+The prompts are sums of 2-digit numbers: three quarters of two terms ("37+45="), one quarter of
+three ("12+34+56="), the hard kind. The warm start follows FACTS.md, in three supervised passes:
+correct two-term sums until the model gets them right; a short pass with three-term sums mixed in;
+then a pass where about 60% of the answers are zero-padded to 4 digits ("0082", which earns no
+reward). The model's two-term arithmetic stays mostly right while its greedy exact-match accuracy is
+low but not zero, so GRPO has a format error to fix; three-term sums it rarely gets right, so the
+prompts differ in difficulty and PPO's critic has something to learn (which prompts will fail). The
+build is deterministic (fixed seeds and thread count) and cached: when BUILD.json carries the
+current hash the script exits before importing anything heavy. Files are written to a temporary
+directory beside DIR and renamed into place at the end.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
     from transformers import Qwen2ForCausalLM
 
-Pair = tuple[int, int]
+Problem = tuple[int, ...]  # the operands of one sum
 REPO = Path(__file__).resolve().parents[1]
 DATA_SOURCE = "tiny_addition"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # pad/unk, turn start, eos
@@ -51,11 +55,12 @@ QWEN2_REGEX = (
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 PARAMS: dict[str, Any] = {
-    "seed": 0,
+    "seed": 1,
     "threads": 2,
     "operand_range": [10, 99],
     "n_train": 2048,
     "n_test": 128,
+    "three_term_fraction": 0.25,  # of the RL train and test prompts: "12+34+56=", the harder kind
     "model": {
         "hidden_size": 128,
         "intermediate_size": 384,
@@ -66,8 +71,11 @@ PARAMS: dict[str, Any] = {
     },
     "batch_size": 128,
     "pad_width": 4,  # the unrewarded format: "0082"
-    "sft": {"steps": 500, "lr": 3e-3, "pad_fraction": 0.0, "cosine": True},
-    "format": {"steps": 300, "lr": 3e-4, "pad_fraction": 0.6, "cosine": False},
+    "passes": {  # supervised passes, in order
+        "sft": {"steps": 1000, "lr": 3e-3, "pad_fraction": 0.0, "cosine": True, "three_term_fraction": 0.0},
+        "three_terms": {"steps": 200, "lr": 1e-3, "pad_fraction": 0.0, "cosine": True, "three_term_fraction": 0.5},
+        "format": {"steps": 300, "lr": 3e-4, "pad_fraction": 0.6, "cosine": False, "three_term_fraction": 0.0},
+    },
 }
 
 
@@ -87,17 +95,30 @@ def is_up_to_date(out: Path) -> bool:
         return False
 
 
-def split_pairs(rng: random.Random) -> tuple[list[Pair], list[Pair], list[Pair]]:
-    """All operand pairs, shuffled: (test, rl_train, sft_pool); sft_pool is everything except test."""
+def split_problems(rng: random.Random) -> tuple[list[Problem], list[Problem], list[Problem], set[Problem]]:
+    """(test, rl_train, sft_pairs, test_triples): disjoint test prompts, a three_term_fraction of them
+    three-term sums; the supervised passes draw pairs from sft_pairs (every pair not in test) and
+    triples at random, never one of test_triples."""
     lo, hi = PARAMS["operand_range"]
     pairs = [(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)]
     rng.shuffle(pairs)
-    test = pairs[: PARAMS["n_test"]]
-    rest = pairs[PARAMS["n_test"] :]
-    return test, rest[: PARAMS["n_train"]], rest
+    n3_test, n3_train = (round(PARAMS[k] * PARAMS["three_term_fraction"]) for k in ("n_test", "n_train"))
+    test2, rest = pairs[: PARAMS["n_test"] - n3_test], pairs[PARAMS["n_test"] - n3_test :]
+    triples: dict[Problem, None] = {}  # insertion-ordered and distinct
+    while len(triples) < n3_test + n3_train:
+        triples[tuple(rng.randint(lo, hi) for _ in range(3))] = None
+    test3, rl3 = list(triples)[:n3_test], list(triples)[n3_test:]
+    test, rl_train = test2 + test3, rest[: PARAMS["n_train"] - n3_train] + rl3
+    rng.shuffle(test)
+    rng.shuffle(rl_train)
+    return test, rl_train, rest, set(test3)
 
 
-def write_parquet(path: Path, pairs: list[Pair], split: str) -> None:
+def prompt_text(problem: Problem) -> str:
+    return "+".join(map(str, problem)) + "="
+
+
+def write_parquet(path: Path, problems: list[Problem], split: str) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -111,12 +132,12 @@ def write_parquet(path: Path, pairs: list[Pair], split: str) -> None:
     rows = [
         {
             "data_source": DATA_SOURCE,
-            "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+            "prompt": [{"role": "user", "content": prompt_text(problem)}],
             "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+            "reward_model": {"style": "rule", "ground_truth": str(sum(problem))},
             "extra_info": {"split": split, "index": i},
         }
-        for i, (a, b) in enumerate(pairs)
+        for i, problem in enumerate(problems)
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
@@ -162,18 +183,19 @@ def render_prompt(content: str) -> str:
 
 
 def encode_batch(
-    tok: Tokenizer, pairs: list[Pair], answers: list[str] | None = None
+    tok: Tokenizer, problems: list[Problem], answers: list[str] | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Prompt ids (all prompts have the same length), or prompt+answer+eos ids with loss labels."""
+    """Prompt ids (the problems must have one prompt length), or prompt+answer+eos ids, right-padded,
+    with loss labels on the answer and eos."""
     import torch
 
     eos, pad = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
-    prompts = [tok.encode(render_prompt(f"{a}+{b}=")).ids for a, b in pairs]
+    prompts = [tok.encode(render_prompt(prompt_text(problem))).ids for problem in problems]
     if answers is None:
         return torch.tensor(prompts)
-    width = len(prompts[0]) + max(map(len, answers)) + 1
-    ids = torch.full((len(pairs), width), pad)
-    labels = torch.full((len(pairs), width), -100)
+    width = max(map(len, prompts)) + max(map(len, answers)) + 1
+    ids = torch.full((len(problems), width), pad)
+    labels = torch.full((len(problems), width), -100)
     for row, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
         full = prompt + tok.encode(answer).ids + [eos]
         ids[row, : len(full)] = torch.tensor(full)
@@ -181,9 +203,19 @@ def encode_batch(
     return ids, labels
 
 
+def draw(rng: random.Random, pairs: list[Problem], test_triples: set[Problem], three_term_fraction: float) -> Problem:
+    """One supervised example: a three-term sum with probability three_term_fraction, else a pair."""
+    if rng.random() >= three_term_fraction:
+        return rng.choice(pairs)
+    lo, hi = PARAMS["operand_range"]
+    while (triple := tuple(rng.randint(lo, hi) for _ in range(3))) in test_triples:
+        pass
+    return triple
+
+
 def train(
-    model: Qwen2ForCausalLM, tok: Tokenizer, pool: list[Pair], rng: random.Random,
-    steps: int, lr: float, pad_fraction: float, cosine: bool,
+    model: Qwen2ForCausalLM, tok: Tokenizer, pools: tuple[list[Problem], set[Problem]], rng: random.Random,
+    steps: int, lr: float, pad_fraction: float, cosine: bool, three_term_fraction: float,
 ) -> None:  # fmt: skip
     """AdamW, linear warmup, then cosine decay or constant; a pad_fraction of answers zero-padded."""
     import math
@@ -196,9 +228,9 @@ def train(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * decay(s))
     model.train()
     for _ in range(steps):
-        batch = rng.sample(pool, PARAMS["batch_size"])
+        batch = [draw(rng, *pools, three_term_fraction) for _ in range(PARAMS["batch_size"])]
         width = [PARAMS["pad_width"] if rng.random() < pad_fraction else 0 for _ in batch]
-        answers = [str(a + b).zfill(w) for (a, b), w in zip(batch, width, strict=True)]
+        answers = [str(sum(problem)).zfill(w) for problem, w in zip(batch, width, strict=True)]
         ids, labels = encode_batch(tok, batch, answers)
         loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad()
@@ -208,27 +240,41 @@ def train(
         sched.step()
 
 
-def evaluate(model: Qwen2ForCausalLM, tok: Tokenizer, pairs: list[Pair]) -> dict[str, float]:
-    """Greedy decoding: exact-match accuracy and accuracy after stripping leading zeros."""
+def greedy_answers(model: Qwen2ForCausalLM, tok: Tokenizer, problems: list[Problem]) -> list[str]:
+    """Greedy answers (up to pad_width + 1 tokens, cut at eos) to problems of one prompt length."""
     import torch
 
     eos = tok.token_to_id("<|im_end|>")
-    ids = encode_batch(tok, pairs)
+    ids = encode_batch(tok, problems)
+    width = ids.shape[1]
     model.eval()
     with torch.no_grad():
         for _ in range(PARAMS["pad_width"] + 1):
             ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
-    width = ids.shape[1] - PARAMS["pad_width"] - 1
-    texts = [tok.decode(row[: row.index(eos)] if eos in row else row) for row in ids[:, width:].tolist()]
-    truth = [str(a + b) for a, b in pairs]
-    exact = sum(t == g for t, g in zip(texts, truth, strict=True)) / len(pairs)
-    stripped = sum(t.lstrip("0") == g for t, g in zip(texts, truth, strict=True)) / len(pairs)
-    return {"greedy": exact, "greedy_stripped": stripped}
+    return [tok.decode(row[: row.index(eos)] if eos in row else row) for row in ids[:, width:].tolist()]
+
+
+def evaluate(model: Qwen2ForCausalLM, tok: Tokenizer, problems: list[Problem]) -> dict[str, Any]:
+    """Greedy decoding: exact-match accuracy and accuracy after stripping leading zeros, overall and
+    by number of terms."""
+    result: dict[str, Any] = {"by_terms": {}}
+    hits = {"greedy": 0, "greedy_stripped": 0}
+    for terms in sorted({len(p) for p in problems}):
+        group = [p for p in problems if len(p) == terms]
+        texts = greedy_answers(model, tok, group)
+        truth = [str(sum(p)) for p in group]
+        exact = sum(t == g for t, g in zip(texts, truth, strict=True))
+        stripped = sum(t.lstrip("0") == g for t, g in zip(texts, truth, strict=True))
+        hits["greedy"] += exact
+        hits["greedy_stripped"] += stripped
+        result["by_terms"][str(terms)] = {"greedy": exact / len(group), "greedy_stripped": stripped / len(group)}
+    return {**{k: v / len(problems) for k, v in hits.items()}, **result}
 
 
 def build_model(
-    tok: Tokenizer, model_dir: Path, test: list[Pair], pool: list[Pair], rng: random.Random
-) -> dict[str, Any]:
+    tok: Tokenizer, model_dir: Path, test: list[Problem], pools: tuple[list[Problem], set[Problem]],
+    rng: random.Random,
+) -> dict[str, Any]:  # fmt: skip
     """Supervised pass, then the format pass; saves the model and returns accuracies and sizes."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -239,17 +285,17 @@ def build_model(
     ids = {"bos_token_id": eot, "eos_token_id": eos, "pad_token_id": eot}
     config = Qwen2Config(vocab_size=tok.get_vocab_size(), tie_word_embeddings=True, **ids, **PARAMS["model"])
     model = Qwen2ForCausalLM(config)
-    train(model, tok, pool, rng, **PARAMS["sft"])
-    sft = evaluate(model, tok, test)
-    print(f"[tiny-task] after supervised pass: {sft}", flush=True)
-    train(model, tok, pool, rng, **PARAMS["format"])
-    final = evaluate(model, tok, test)
-    print(f"[tiny-task] after format pass: {final}", flush=True)
+    accuracy: dict[str, Any] = {}
+    for name, params in PARAMS["passes"].items():
+        train(model, tok, pools, rng, **params)
+        accuracy[name] = evaluate(model, tok, test)
+        print(f"[tiny-task] after the {name} pass: {accuracy[name]}", flush=True)
+    final = accuracy.pop("format")
     model.generation_config = GenerationConfig(**ids)
     model.save_pretrained(model_dir, safe_serialization=True)
     (model_dir / "model.safetensors").chmod(0o644)  # saved through a private temporary file (mode 600)
     n_params = sum(p.numel() for p in model.parameters())
-    return {"accuracy": {"sft": sft, **final}, "n_params": n_params, "vocab_size": config.vocab_size}
+    return {"accuracy": {**accuracy, **final}, "n_params": n_params, "vocab_size": config.vocab_size}
 
 
 def versions() -> dict[str, str]:
@@ -273,7 +319,7 @@ def build(out: Path) -> dict[str, Any]:
     """Build into a temporary sibling of `out`, then swap it into place."""
     start = time.time()
     rng = random.Random(PARAMS["seed"])
-    test, rl_train, pool = split_pairs(rng)
+    test, rl_train, pairs, test_triples = split_problems(rng)
     tag = f"{socket.gethostname()}-{os.getpid()}"
     tmp, old = out.parent / f".{out.name}.tmp-{tag}", out.parent / f".{out.name}.old-{tag}"
     remove_stale_builds(out)
@@ -281,7 +327,7 @@ def build(out: Path) -> dict[str, Any]:
         write_parquet(tmp / "data" / "train.parquet", rl_train, "train")
         write_parquet(tmp / "data" / "test.parquet", test, "test")
         tok = train_tokenizer(tmp / "model")
-        result = build_model(tok, tmp / "model", test, pool, rng)
+        result = build_model(tok, tmp / "model", test, (pairs, test_triples), rng)
         seconds = round(time.time() - start, 1)
         record = {"hash": build_hash(), "params": PARAMS, **result}
         record.update(build_seconds=seconds, versions=versions())
