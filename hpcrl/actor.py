@@ -90,6 +90,7 @@ class Actor:
         # the controller and the metrics) after that step, once the old logprobs cover the batch.
         own_old = (a.old_logprobs == "recompute" and trains_policy
                    and not (self.ref_model is not None and a.kl_mode == "reward"))
+        coef = kl_control.current_coef(a, previous) if self.ref_model is not None else 0.0
         with ctx.timed("compute"):
             resumed = preemption.load_progress(engines, out_dir) if guard is not None else None
             if resumed is not None:
@@ -110,7 +111,7 @@ class Actor:
                 mask = trainer.response_mask([len(r) for r in samples.response_ids])
                 kl_tokens, control = None, None
                 if ref is not None and not own_old:
-                    kl_tokens, control = self._price_kl(samples, old, ref, previous, metrics)
+                    kl_tokens, control = self._price_kl(samples, old, ref, coef, metrics)
                 old_values = returns = None
                 if self.critic is None:
                     adv = advantages.compute(a.name, samples.rewards, samples.group_ids, a.norm_adv_by_std)
@@ -118,7 +119,6 @@ class Actor:
                     reward_coef = control.kl_coef if control is not None and a.kl_mode == "reward" else 0.0
                     adv, old_values, returns = self._gae(samples, rows, mask, kl_tokens, reward_coef, metrics)
                 stats = []
-            coef = kl_control.current_coef(a, previous) if ref is not None else 0.0
             loss_coef = coef if a.kl_mode == "loss" else 0.0
             engine.train()
             for epoch, mini in steps[len(stats):]:
@@ -129,7 +129,7 @@ class Actor:
                                                 self.pad_id, rank, world, kl_coef=loss_coef))
                     old.update(s.pop("old", {}))
                 if ref is not None and control is None:  # own_old: the batch's old logprobs are all in now
-                    _, control = self._price_kl(samples, old, ref, previous, metrics)
+                    _, control = self._price_kl(samples, old, ref, coef, metrics)
                 if self.critic is not None:
                     s.update(self.critic.train_step(samples, mini, old_values, returns))
                 stats.append(s)
@@ -150,13 +150,13 @@ class Actor:
             ctx.writer.metrics.update(update_metrics(stats, samples, old, ctx.timings["compute"]))
             ctx.writer.metrics.update(metrics)
 
-    def _price_kl(self, samples: trainer.Samples, old: dict, ref: dict, previous: Path | None,
+    def _price_kl(self, samples: trainer.Samples, old: dict, ref: dict, coef: float,
                   metrics: dict) -> tuple[torch.Tensor, kl_control.KLControl]:
-        """The batch's per-token KL to the reference (old vs ref logprobs) and this update's KL control record."""
+        """The batch's per-token KL to the reference (old vs ref logprobs) at this update's coefficient,
+        and its KL control record."""
         a = self.exp.algorithm
         mask = trainer.response_mask([len(r) for r in samples.response_ids])
         kl_tokens = losses.kl_penalty(trainer.pad_rows(old, mask), trainer.pad_rows(ref, mask), a.kl_estimator) * mask
-        coef = kl_control.current_coef(a, previous)
         control = kl_control.step(a, coef, kl_control.sequence_kl(kl_tokens, mask), len(samples))
         metrics.update({"critic/kl_coef": coef, "actor/reward_kl_penalty": control.kl})
         return kl_tokens, control

@@ -119,8 +119,8 @@ def split_mini_batches(group_ids: list[int], mini_batches: int, seed: int, epoch
     """The rows in equal mini-batches, groups in a random order (per seed and epoch), each group's
     rows together (a group may straddle two mini-batches when the sizes do not divide)."""
     groups = list(dict.fromkeys(group_ids))
-    order = {g: k for k, g in enumerate(np.random.default_rng([seed, epoch]).permutation(len(groups)).tolist())}
-    rank_of = {g: order[k] for k, g in enumerate(groups)}
+    position = np.argsort(np.random.default_rng([seed, epoch]).permutation(len(groups)))  # of each group
+    rank_of = dict(zip(groups, position.tolist(), strict=True))
     rows = sorted(range(len(group_ids)), key=lambda i: (rank_of[group_ids[i]], i))
     size = len(rows) // mini_batches
     return [rows[i * size: (i + 1) * size] for i in range(mini_batches)]

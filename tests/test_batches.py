@@ -55,8 +55,9 @@ def test_shared_prompts_give_the_plain_logprobs_and_gradients(policy):
         assert len(shared_lp[i]) == len(samples.response_ids[i])
         torch.testing.assert_close(torch.tensor(shared_lp[i]), torch.tensor(plain_lp[i]), atol=2e-5, rtol=0)
     assert shared_grads.keys() == plain_grads.keys()
-    for name, grad in plain_grads.items():
-        torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    for name, grad in plain_grads.items():  # float32 sums in another order: rounding relative to the scale
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(shared_grads[name], grad, atol=5e-6 * max(scale, 1.0), rtol=1e-4, msg=name)
     assert any(g.abs().max() > 1e-3 for g in plain_grads.values())  # the comparison is not of zeros
 
 
