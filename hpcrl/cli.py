@@ -64,8 +64,8 @@ def _prepare(experiment: Path, sets: tuple[str, ...] = ()):
 @click.option("--foreground", is_flag=True, help="Slurm: drive the run from this terminal instead of a controller job.")
 @click.option("--dry-run", is_flag=True, help="Write every sbatch script of the run under RUN/sbatch/ and stop.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
-              help="Override a config key (TOML value, e.g. update.lr=1e-5 or run.name=\"lr-sweep-2\"); repeatable. "
-                   "The run's frozen config records the result.")
+              help="Override a config key, e.g. update.lr=1e-5 or run.name=lr-sweep-2 (a TOML value; one that is not "
+                   "TOML is taken as a string); repeatable. The run's frozen config records the result.")
 def submit(experiment: Path, foreground: bool, dry_run: bool, sets: tuple[str, ...]) -> None:
     """Validate EXPERIMENT (a TOML file) and run it; resubmitting continues the same run.
 

@@ -245,7 +245,9 @@ def test_ppo_critic_update_is_the_same_on_one_and_two_ranks(write_experiment):
     for x, y in zip(s1, s2, strict=True):
         assert x["vf_loss"] == pytest.approx(y["vf_loss"], rel=1e-5)
         assert x["vf_grad_norm"] == pytest.approx(y["vf_grad_norm"], rel=1e-4)
-        assert x["pg_loss"] == pytest.approx(y["pg_loss"], rel=1e-5, abs=1e-7)
+        # pg_loss is a mean of O(1) terms that nearly cancel (normalised advantages): float32 rounding
+        # in another summation order is ~1e-7 of the terms, not of the small result
+        assert x["pg_loss"] == pytest.approx(y["pg_loss"], rel=1e-5, abs=1e-6)
         assert x["vf_grad_norm"] > 0 and x["grad_norm"] > 0
     m1, m2 = commit.read_manifest(d1)["metrics"], commit.read_manifest(d2)["metrics"]
     for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/explained_variance", "critic/values_mean",
