@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcrl import commit, config, executors
+from hpcrl import commit, config, executors, schemas
 from hpcrl.config import Experiment
 from hpcrl.rundir import RunDir
 
@@ -23,6 +23,7 @@ from hpcrl.rundir import RunDir
 NOISY = ("perf/", "timing_s/")
 LOGPROB_TOL = 1e-3
 WEIGHT_TOL = 1e-6
+LOSS_TOL = 1e-6  # absolute, per optimizer step
 
 
 def inputs_of(stage: str, iteration: int) -> list[tuple[int, str]]:
@@ -71,46 +72,88 @@ class Report:
     metrics: list[tuple[str, float | None, float | None]] = field(default_factory=list)
 
 
+def _sample_name(row: dict) -> str:
+    return f"{row['split']} prompt {row['prompt_index']} sample {row['sample_index']}"
+
+
+def _rows(stage_dir: Path, table: str, columns: list[str]) -> list[dict]:
+    return commit.read_table(stage_dir, table, [*schemas.SAMPLE_KEYS, *columns]).to_pylist()
+
+
 def _generate_diff(a: Path, b: Path) -> tuple[bool, list[str]]:
-    cols = ["response_ids", "logprobs"]
-    ra, rb = commit.read_table(a, "rollouts", cols).to_pylist(), commit.read_table(b, "rollouts", cols).to_pylist()
-    same_tokens = sum(x["response_ids"] == y["response_ids"] for x, y in zip(ra, rb, strict=True))
-    diffs = [abs(p - q) for x, y in zip(ra, rb, strict=True) if x["response_ids"] == y["response_ids"]
+    """Token agreement per sample, and the logprob difference on the samples that agree."""
+    ra, rb = _rows(a, "rollouts", ["response_ids", "logprobs"]), _rows(b, "rollouts", ["response_ids", "logprobs"])
+    if len(ra) != len(rb):
+        return False, [f"samples: {len(ra)} in the original, {len(rb)} in the replay"]
+    same = [x["response_ids"] == y["response_ids"] for x, y in zip(ra, rb, strict=True)]
+    diffs = [(abs(p - q), x) for x, y, s in zip(ra, rb, same, strict=True) if s
              for p, q in zip(x["logprobs"], y["logprobs"], strict=True)]
-    worst = max(diffs, default=0.0)
-    agreement = same_tokens / max(len(ra), 1)
-    ok = len(ra) == len(rb) and agreement == 1.0 and worst < LOGPROB_TOL
-    return ok, [f"token agreement: {same_tokens}/{len(ra)} samples identical ({agreement:.1%})",
-                f"logprob difference on identical samples: max {worst:.2e}, mean {np.mean(diffs or [0]):.2e}"]
+    worst, worst_row = max(diffs, key=lambda d: d[0], default=(0.0, None))
+    lines = [f"token agreement: {sum(same)}/{len(ra)} samples identical ({sum(same) / max(len(ra), 1):.1%})",
+             f"logprob difference on identical samples: max {worst:.2e}, "
+             f"mean {np.mean([d for d, _ in diffs] or [0]):.2e}"]
+    if not all(same):
+        lines.append("first sample with other tokens: " + _sample_name(ra[same.index(False)]))
+    if worst >= LOGPROB_TOL:
+        lines.append(f"logprobs beyond the tolerance {LOGPROB_TOL:.0e}: worst at {_sample_name(worst_row)}")
+    return all(same) and worst < LOGPROB_TOL, lines
+
+
+def _score_diff(a: Path, b: Path) -> tuple[bool, list[str]]:
+    """The score stage is deterministic: every reward, component and message must agree."""
+    cols = ["reward", "reward_components", "reward_message"]
+    ra, rb = _rows(a, "scores", cols), _rows(b, "scores", cols)
+    if len(ra) != len(rb):
+        return False, [f"samples: {len(ra)} in the original, {len(rb)} in the replay"]
+    differ = [(x, y) for x, y in zip(ra, rb, strict=True) if x != y]
+    lines = [f"scores: {len(ra) - len(differ)}/{len(ra)} samples identical"]
+    if differ:
+        x, y = differ[0]
+        lines.append(f"first sample scored differently: {_sample_name(x)}: reward {x['reward']!r} -> {y['reward']!r}")
+    return not differ, lines
 
 
 def _update_diff(a: Path, b: Path) -> tuple[bool, list[str]]:
+    """The new policy's weights within WEIGHT_TOL, tensor by tensor; the per-step losses shown."""
     from safetensors.torch import load_file
 
     wa, wb = load_file(a / "policy" / "model.safetensors"), load_file(b / "policy" / "model.safetensors")
-    worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    if set(wa) != set(wb):
+        return False, [f"policy weights: tensors differ in name: {sorted(set(wa) ^ set(wb))[:4]}"]
+    gaps = {k: float((wa[k].double() - wb[k].double()).abs().max()) if wa[k].shape == wb[k].shape
+            else float("inf") for k in wa}
+    worst_name = max(gaps, key=gaps.get)
+    worst = gaps[worst_name]
     la = commit.read_table(a, "stats", ["loss"])["loss"].to_pylist()
     lb = commit.read_table(b, "stats", ["loss"])["loss"].to_pylist()
-    loss = max(abs(x - y) for x, y in zip(la, lb, strict=True))
-    return worst < WEIGHT_TOL, [f"policy weights: max difference {worst:.2e}", f"per-step loss: max difference {loss:.2e}"]
+    loss = max((abs(x - y) for x, y in zip(la, lb, strict=True)), default=0.0)
+    lines = [f"policy weights: max difference {worst:.2e} (in {worst_name})",
+             f"per-step loss: max difference {loss:.2e}"]
+    if worst >= WEIGHT_TOL:
+        lines.append(f"beyond the weight tolerance {WEIGHT_TOL:.0e}: "
+                     f"{sum(g >= WEIGHT_TOL for g in gaps.values())} of {len(gaps)} tensors")
+    if len(la) != len(lb) or loss >= LOSS_TOL:
+        lines.append(f"per-step loss beyond the tolerance {LOSS_TOL:.0e} ({len(la)} and {len(lb)} steps)")
+    return worst < WEIGHT_TOL and len(la) == len(lb) and loss < LOSS_TOL, lines
+
+
+DIFFS = {"generate": _generate_diff, "score": _score_diff, "update": _update_diff}
 
 
 def compare(original: Path, replayed: Path, stage: str) -> Report:
+    """Byte identity of the committed files, and each stage's numeric view of what differs (shown
+    even when the bytes agree); a stage matches when its bytes or its numbers agree."""
     ma, mb = commit.read_manifest(original), commit.read_manifest(replayed)
     identical = ma["files"] == mb["files"]
     lines = [f"files: {'byte-identical' if identical else 'different'} ({len(ma['files'])} files checked)"]
-    match = identical
     if not identical:
         differing = sorted(k for k in set(ma["files"]) | set(mb["files"]) if ma["files"].get(k) != mb["files"].get(k))
         lines.append("differing files: " + ", ".join(differing[:8]))
-    # The numeric view of the stages that need not be bit-exact, shown even when they are.
-    if stage in ("generate", "update"):
-        ok, more = (_generate_diff if stage == "generate" else _update_diff)(original, replayed)
-        lines += more
-        match = identical or ok
+    ok, more = DIFFS[stage](original, replayed)
+    lines += more
     keys = sorted(set(ma["metrics"]) | set(mb["metrics"]))
     metrics = [(k, ma["metrics"].get(k), mb["metrics"].get(k)) for k in keys]
-    return Report(identical, match, lines, metrics)
+    return Report(identical, identical or ok, lines, metrics)
 
 
 def format_report(report: Report, original: Path, replayed: Path, overrides: dict) -> str:

@@ -16,6 +16,7 @@ engine is the generator's business (the resident mode builds on this). No stage 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
@@ -227,6 +228,10 @@ def check_probe(engine: list[list[float]], trainer_new: list[list[float]], train
     diff_old = _mean_abs_diff(engine, trainer_old)
     shift = _mean_abs_diff(trainer_new, trainer_old)
     metrics = {"sync/logp_diff": diff_new, "sync/logp_diff_prev": diff_old, "sync/update_shift": shift}
+    if not math.isfinite(shift) or not math.isfinite(diff_new):
+        raise WeightSyncError(f"after loading policy version {version}, the probe logprobs are not finite "
+                              f"(trainer: {'finite' if math.isfinite(shift) else 'non-finite'}, difference "
+                              f"{diff_new}); stopping rather than serving a non-finite policy")
     if diff_new > tol:
         stale = " (it matches the previous weights: the sync did not happen)" if diff_old < diff_new else ""
         raise WeightSyncError(f"after loading policy version {version}, vLLM's logprobs on the probe batch differ "

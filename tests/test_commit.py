@@ -1,5 +1,13 @@
 """Stage outputs are committed atomically, never overwritten, and checked on read."""
 
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import threading
+import types
+
 import pyarrow as pa
 import pytest
 
@@ -67,46 +75,154 @@ def test_schema_is_enforced(tmp_path):
         w.write_table("scores", _scores().drop_columns(["reward_message"]))
 
 
-def test_second_controller_is_refused_and_lock_survives_a_crash(tmp_path):
+def test_commit_moves_the_staged_directory_into_place_and_does_not_copy_it(tmp_path):
+    """Pins: the rename replaced by a copy of the temporary directory followed by its deletion.
+    A copy is not atomic (a reader can see the manifest before the data); a rename keeps the
+    directory and its files (the same inodes), and a failed rename commits nothing."""
+    d = tmp_path / "iter_000000" / "score"
+    w = commit.StageWriter(commit.fresh_temp_dir(d))
+    table_path = w.write_table("scores", _scores())
+    inodes = (w.dir.stat().st_ino, table_path.stat().st_ino)
+    commit.commit(d, w, {"stage": "score"})
+    assert (d.stat().st_ino, (d / "scores.parquet").stat().st_ino) == inodes
+
+
+def test_a_failed_rename_commits_nothing(tmp_path, monkeypatch):
+    """Pins: any commit that does not go through one rename (copy, or copy then rename)."""
+    d = tmp_path / "score"
+    w = commit.StageWriter(commit.fresh_temp_dir(d))
+    w.write_table("scores", _scores())
+
+    def refuse(src, dst):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(commit.os, "rename", refuse)
+    with pytest.raises(OSError, match="Input/output error"):
+        commit.commit(d, w, {"stage": "score"})
+    assert not commit.is_committed(d) and not d.exists()
+    assert (w.dir / "scores.parquet").is_file()  # the attempt's work is still in its temporary directory
+
+
+def test_commit_itself_refuses_a_committed_stage(tmp_path):
+    """Pins: commit() without its own refusal to overwrite. A second attempt that staged its
+    files before the first one committed (it passed fresh_temp_dir earlier) must not replace the
+    committed output at its rename."""
+    d = tmp_path / "score"
+    _commit(d, _scores())
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    late = commit.StageWriter(tmp_path / "late-attempt")
+    late.dir.mkdir()
+    late.write_table("scores", _scores(5))
+    with pytest.raises(commit.AlreadyCommittedError, match="is committed; it is never written again"):
+        commit.commit(d, late, {"stage": "score"})
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+    assert commit.read_table(d, "scores").num_rows == 3
+
+
+def _hold_in_child(code: str) -> subprocess.Popen:
+    """A child process that takes a lock, prints 'held' and waits to be killed."""
+    proc = subprocess.Popen([sys.executable, "-c", code + "\nprint('held', flush=True)\nimport time\n"
+                             "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_second_controller_is_refused_and_the_lock_survives_a_killed_holder(tmp_path):
+    """A controller killed with SIGKILL (no cleanup runs) does not wedge the run: the kernel
+    releases its flock, and the next controller takes the run."""
     run = RunDir.at(tmp_path)
-    with RunLock(run):
-        with pytest.raises(RunLockedError, match=r"already driven by another controller \(pid \d+"):
+    holder = _hold_in_child(f"from hpcrl.rundir import RunDir, RunLock\nRunLock(RunDir.at({str(tmp_path)!r})).acquire()")
+    try:
+        with pytest.raises(RunLockedError, match=rf"already driven by another controller \(pid {holder.pid}"):
             RunLock(run).acquire()
-    with RunLock(run):  # released on exit; a crashed holder's flock is released by the kernel
-        pass
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with RunLock(run):
+        with pytest.raises(RunLockedError):
+            RunLock(run).acquire()
 
 
-def test_an_open_stage_holds_its_lock_until_a_later_commit_from_another_thread(tmp_path):
+def _stage_lock_is_held(stage_dir) -> bool:
+    fd = os.open(stage_dir.parent / f".{stage_dir.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def test_a_stage_attempt_killed_while_holding_its_lock_leaves_the_stage_to_the_next_attempt(tmp_path):
+    """A stage job killed mid-attempt (SIGKILL, preemption) leaves its temporary directory and no
+    lock: the next attempt replaces the leftovers and commits."""
+    d = tmp_path / "iter_000000" / "score"
+    holder = _hold_in_child(
+        "from pathlib import Path\nfrom hpcrl import commit\n"
+        f"d = Path({str(d)!r})\nlock = commit.stage_lock(d)\nlock.__enter__()\n"
+        "(commit.fresh_temp_dir(d) / 'half-written.parquet').write_bytes(b'partial')")
+    try:
+        assert _stage_lock_is_held(d)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert not _stage_lock_is_held(d)
+    with commit.stage_lock(d):
+        _commit(d, _scores())
+    assert sorted(p.name for p in d.iterdir()) == ["_COMMIT.json", "scores.parquet"]
+    assert commit.verify(d) == []
+
+
+class _Clock:
+    """A perf_counter that moves only when the test says so."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_an_open_stage_holds_its_lock_until_a_later_commit_from_another_thread(tmp_path, monkeypatch):
     """The resident trainer's pattern: the body now, more of it and the commit later in a
-    background thread; a second attempt waits for the lock and then finds the stage committed."""
-    import threading
-    import time
-
+    background thread. The lock is held in between (checked without blocking), the manifest's
+    total counts both parts and not the wait between them, and a second attempt that waited for
+    the lock finds the stage committed."""
+    from hpcrl import stage
     from hpcrl.stage import OpenStage
     from tests.synthetic_run import write_config
 
+    clock = _Clock()
+    monkeypatch.setattr(stage, "time", types.SimpleNamespace(perf_counter=clock.perf_counter, time=stage.time.time))
     root = tmp_path / "r"
     write_config(root, 1)
     first = OpenStage("score", root, 0, startup=0.0)
-    first.run(lambda ctx: (ctx.writer.write_table("scores", _scores()), time.sleep(0.2)))
+
+    def body(ctx):
+        ctx.writer.write_table("scores", _scores())
+        clock.now += 0.25
+
+    first.run(body)
+    clock.now += 30.0  # the wait between the parts
+    assert _stage_lock_is_held(first.out) and not commit.is_committed(first.out)
     second: list[OpenStage] = []
     waiter = threading.Thread(target=lambda: second.append(OpenStage("score", root, 0, startup=0.0)))
     waiter.start()
-    time.sleep(0.3)
-    assert not second and not commit.is_committed(first.out)  # the lock is still held
 
     def later(ctx):
         ctx.writer.metrics["m"] = 2.0
-        time.sleep(0.2)
+        clock.now += 0.5
 
     committer = threading.Thread(target=lambda: (first.run(later), first.commit()))
     committer.start()
     committer.join()
-    waiter.join(timeout=10)
+    waiter.join()
     manifest = commit.read_manifest(first.out)
     assert manifest["metrics"] == {"m": 2.0} and manifest["tables"]["scores"]["rows"] == 3
-    assert 0.4 <= manifest["timings"]["total"] < 1.0  # both parts, not the wait between them
+    assert manifest["timings"]["total"] == 0.75
     assert second[0].ctx is None and second[0].manifest == manifest  # nothing to do, nothing overwritten
+    assert not _stage_lock_is_held(first.out)
 
 
 def test_a_failed_open_stage_releases_its_lock_and_commits_nothing(tmp_path):
@@ -116,9 +232,11 @@ def test_a_failed_open_stage_releases_its_lock_and_commits_nothing(tmp_path):
     root = tmp_path / "r"
     write_config(root, 1)
     attempt = OpenStage("score", root, 0, startup=0.0)
+    assert _stage_lock_is_held(attempt.out)
     with pytest.raises(ZeroDivisionError):
         attempt.run(lambda ctx: 1 / 0)
     assert not commit.is_committed(attempt.out)
-    retry = OpenStage("score", root, 0, startup=0.0)  # would block forever if the lock were held
+    assert not _stage_lock_is_held(attempt.out)
+    retry = OpenStage("score", root, 0, startup=0.0)
     retry.run(lambda ctx: ctx.writer.write_table("scores", _scores()))
     assert retry.commit()["tables"]["scores"]["rows"] == 3

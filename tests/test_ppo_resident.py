@@ -79,12 +79,23 @@ def test_the_saved_critic_is_the_live_one(ppo_run):
                 np.testing.assert_allclose(v, recorded[i], atol=1e-5)
 
 
-def test_a_continued_run_loads_the_critic_and_the_kl_coefficient(ppo_run):
-    run, path, _ = ppo_run
-    text = path.read_text().replace("iterations = 2", "iterations = 3")
-    assert text != path.read_text()
-    path.write_text(text)
-    _submit(path)  # a new resident job: a fresh Actor loads policy, critic and their DeepSpeed state (v2)
+def test_a_continued_run_loads_the_critic_and_the_kl_coefficient(ppo_run, tmp_path):
+    """Continued on a copy of the run (the module's run stays as the other tests read it)."""
+    import shutil
+
+    original, path, _ = ppo_run
+    old_root, new_root = str(original.root.parent), str(tmp_path / "runs")
+    shutil.copytree(original.root, tmp_path / "runs" / "ppo", symlinks=True)
+    run = RunDir.at(tmp_path / "runs" / "ppo")
+    run.config_path.write_text(run.config_path.read_text().replace(old_root, new_root))
+    info = run.read_run_info()  # the copy gets an MLflow run of its own, in its own store
+    run.write_run_info({k: v for k, v in info.items() if not k.startswith("mlflow_")})
+    text = path.read_text().replace(old_root, new_root).replace("iterations = 2", "iterations = 3")
+    assert "iterations = 3" in text and new_root in text
+    continued = tmp_path / "ppo.toml"
+    continued.write_text(text)
+    _submit(continued)  # a new resident job: a fresh Actor loads policy, critic and their DeepSpeed state (v2)
+    assert not original.stage_dir(2, "update").exists()
     before = json.loads((run.stage_dir(1, "update") / "kl_control.json").read_text())
     after = json.loads((run.stage_dir(2, "update") / "kl_control.json").read_text())
     assert after["kl_coef"] == before["next_kl_coef"] != PPO["kl_coef"]  # the controller moved, and resumed

@@ -147,7 +147,10 @@ def test_resident_runs_commit_what_the_staged_run_commits(write_experiment):
             assert ("wait" in generate["timings"]) == exp.executor.overlap_commit
 
 
-def test_killed_generator_stops_the_job_within_seconds_and_the_run_resumes_staged(write_experiment):
+def test_killed_generator_is_noticed_by_the_monitor_and_the_run_resumes_staged(write_experiment):
+    """A generator killed mid-run stops the whole job through the trainer's monitor (the message
+    names it), not through a collective timeout (collective_timeout_s is 30 min by default, far
+    beyond this test's own limit)."""
     path = write_experiment("kill", run={"iterations": 8, "eval_every": 0},
                             executor={**RESIDENT, "checkpoint_every": 8})
     exp = config.load(path)
@@ -161,13 +164,10 @@ def test_killed_generator_stops_the_job_within_seconds_and_the_run_resumes_stage
             assert proc.poll() is None and time.time() < deadline
             time.sleep(0.02)
         os.kill(generator, signal.SIGKILL)
-        killed = time.time()
-        out, _ = proc.communicate(timeout=60)
-        stopped = time.time() - killed
+        out, _ = proc.communicate(timeout=600)
     finally:
         proc.kill()
     assert proc.returncode != 0
-    assert stopped < 30, stopped
     assert "generator (task 1) stopped responding" in out, out[-3000:]
     with pytest.raises(AssertionError):  # the trainer is gone too: no survivor holds the allocation
         task_pid(run.logs, 0, timeout=1)
@@ -220,20 +220,33 @@ def test_a_failed_background_commit_stops_every_task_and_commits_nothing(tmp_pat
     OpenStage("update", root, 1, startup=0.0).close()  # the lock was released: a retry can start
 
 
+def _inside(thread: threading.Thread, function: str) -> bool:
+    """Whether `thread` is running `function` now (its stack holds that frame)."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None and frame.f_code.co_name != function:
+        frame = frame.f_back
+    return frame is not None
+
+
 def test_signals_and_the_failure_flag_get_through_while_the_main_connection_waits():
     """The trainer's commit thread signals the generator, or raises the failure flag, while the
-    trainer's main thread is blocked waiting for the next command on the store."""
+    trainer's main thread is blocked waiting for the next command on the store. Pins: signal()
+    or fail() on the main store connection (they would wait until the blocked wait times out)."""
     from hpcrl.distributed import free_port
     from hpcrl.roles import ControlPlane, Layout
 
     plane = ControlPlane("127.0.0.1", free_port(), 0, Layout(1), timeout_s=60)
-    waiting = threading.Thread(target=plane.receive, daemon=True)  # blocks on cmd/1
+    waiting = threading.Thread(target=plane.receive, daemon=True)  # blocks on cmd/1 until the test sets it
     waiting.start()
-    time.sleep(0.3)
-    t0 = time.monotonic()
-    plane.signal("committed/0")
-    plane.fail("committing the update of iteration 0: OSError: disk full")
-    assert time.monotonic() - t0 < 5  # neither waited for the blocked connection
+    while not _inside(waiting, "_wait_key"):
+        time.sleep(0.01)
+    time.sleep(0.2)  # into the store's wait (a C call, not visible from here): a slow thread can hide the bug, never fail
+    sender = threading.Thread(target=lambda: (plane.signal("committed/0"),
+                                              plane.fail("committing the update of iteration 0: OSError: disk full")),
+                              daemon=True)
+    sender.start()
+    sender.join(timeout=50)  # on the main connection they would wait for cmd/1, which only comes below
+    assert not sender.is_alive() and waiting.is_alive()
     other = plane._connect(timedelta(seconds=10))
     assert other.get("signal/committed/0") == b"1"
     assert b"disk full" in other.get("failed")

@@ -150,6 +150,7 @@ class Service:
         self.batch_sizes: list[int] = []
         self.inflight = self.max_inflight = 0
         self.lock = threading.Lock()
+        self.release = threading.Event()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_port}/score"
         threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
@@ -161,7 +162,7 @@ class Service:
         if flaky:
             return 503, "warming up"
         if self.mode == "slow":
-            time.sleep(3.0)
+            self.release.wait(60)  # answers only once the test is over
         scores = [{"score": len(s["response"]), "digits": float(s["response"].isdigit()),
                    "message": "long" if len(s["response"]) > 5 else ""} for s in samples]
         body = {"ok": {"scores": scores}, "flaky": {"scores": scores}, "slow": {"scores": scores},
@@ -198,6 +199,7 @@ class Service:
         return Handler
 
     def close(self):
+        self.release.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -255,11 +257,12 @@ def test_http_service_down_is_named_with_its_url():
 
 
 def test_http_timeout_is_named_with_its_url(service):
+    """The service never answers while the client waits: only the client's own timeout can end
+    the call (a missing timeout hangs here until pytest's)."""
     service.mode = "slow"
-    t0 = time.perf_counter()
     with pytest.raises(RewardBackendError) as err:
         HttpReward(service.url, timeout_s=0.2, retries=0)(_samples())
-    assert time.perf_counter() - t0 < 2.0  # the service would answer after 3 s
+    assert not service.release.is_set() and service.batch_sizes == [5]  # it gave up on a pending request
     assert str(err.value) == (f"reward service {service.url}: batch 1 of 1 (5 samples): no answer within "
                               "timeout_s = 0.2 s (ReadTimeout); gave up after 1 attempt")
 

@@ -83,6 +83,7 @@ def test_shared_memory_delivers_bit_identical_tensors_in_place():
     proc = ctx.Process(target=_shared_receiver, args=(sync.path, header, ready, again, out))
     proc.start()
     assert ready.get(timeout=60) == "read"
+    originals = {name: _raw(t) for name, t in state.items()}
     for t in state.values():
         if t.is_floating_point():
             t.add_(1)
@@ -93,7 +94,7 @@ def test_shared_memory_delivers_bit_identical_tensors_in_place():
     assert proc.exitcode == 0
     assert list(first) == list(state)
     for name, t in state.items():
-        assert first[name][:2] == (str(t.dtype), list(t.shape)), name
+        assert first[name] == (str(t.dtype), list(t.shape), originals[name]), name  # the first send, bit-identical
         assert second[name] == _raw(t), name  # the second send, bit-identical
     assert first["embed.weight"][2] != second["embed.weight"]
 
@@ -110,3 +111,54 @@ def test_auto_transport_is_shared_memory_on_one_cpu_node_else_a_process_group():
     assert transport("auto", "n1", "n2", cuda=False) == "process_group"
     assert transport("auto", "n1", "n1", cuda=True) == "process_group"
     assert transport("filesystem", "n1", "n1", cuda=False) == "filesystem"
+
+
+def _logprobs(model, sequences: list[list[int]]) -> list[list[float]]:
+    from hpcrl import losses
+
+    with torch.no_grad():
+        return [losses.token_logprobs(model(torch.tensor([s])).logits[:, :-1], torch.tensor([s[1:]]), 1.0)[0].tolist()
+                for s in sequences]
+
+
+def test_the_float32_probe_tolerance_catches_weights_delivered_in_bfloat16(tiny_task, tmp_path):
+    """Pins: a probe tolerance 100 times looser (1e-2 for float32). A transport that rounds the
+    float32 weights to bfloat16 on the way (a realistic bug) serves a policy whose probe
+    logprobs move by about 1e-3 on average: the default float32 tolerance must refuse it, while
+    the same weights delivered exactly pass."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import tests.conftest as c
+    from hpcrl import config, resident
+    from hpcrl.weight_sync import WeightSyncError, check_probe, probe_tolerance
+
+    path = tmp_path / "e.toml"
+    path.write_text(c.experiment_toml(tiny_task, tmp_path / "runs"))
+    exp = config.load(path)
+    assert exp.model.dtype == "float32"
+    model = AutoModelForCausalLM.from_pretrained(tiny_task / "model", dtype=torch.float32).eval()
+    probe = resident.probe_sequences(exp, AutoTokenizer.from_pretrained(tiny_task / "model"))
+    trainer = _logprobs(model, probe)
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    served = _logprobs(rounded, probe)
+    tol = probe_tolerance(exp)
+    assert check_probe(_logprobs(copy.deepcopy(model), probe), trainer, trainer, tol, version=1)["sync/logp_diff"] == 0
+    with pytest.raises(WeightSyncError, match=r"differ from the trainer's by [0-9.e+-]+ on average, above the "
+                                              r"tolerance 1e-04"):
+        check_probe(served, trainer, trainer, tol, version=1)
+
+
+@pytest.mark.parametrize("side", ["engine", "trainer"])
+def test_a_non_finite_probe_is_refused(side):
+    """Pins: NaN compared against the tolerance (NaN > tol is false, so a NaN policy passed)."""
+    from hpcrl.weight_sync import WeightSyncError, check_probe
+
+    good, bad = [[-1.0, -2.0]], [[float("nan"), -2.0]]
+    engine, trainer = (bad, good) if side == "engine" else (bad, bad)
+    with pytest.raises(WeightSyncError, match="not finite"):
+        check_probe(engine, trainer, good, 1e-4, version=2)
