@@ -19,7 +19,7 @@ from hpcrl.rundir import RunDir
 
 pytestmark = pytest.mark.timeout(900)  # about 90 s on 2 CPU cores
 
-PPO = {"name": "ppo", "gamma": 1.0, "lam": 1.0, "critic_lr": 1e-3, "kl_mode": "reward", "kl_estimator": "k1",
+PPO = {"name": "ppo", "gamma": 0.9, "lam": 0.8, "critic_lr": 1e-3, "kl_mode": "reward", "kl_estimator": "k1",
        "kl_coef": 0.05, "kl_target": 0.5, "kl_horizon": 100.0}
 CRITIC_METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/explained_variance", "critic/values_mean",
                   "critic/kl_coef", "critic/grad_norm", "actor/reward_kl_penalty")
@@ -53,6 +53,47 @@ def test_critic_metrics_are_logged_finite_each_iteration(ppo_run):
         stats = commit.read_table(run.stage_dir(k, "update"), "stats").to_pylist()
         assert all(s["vf_loss"] > 0 and s["pg_loss"] is not None for s in stats)
     assert "run complete" in out
+
+
+def _numpy_gae(outcome: float, old, ref, values, coef: float, gamma: float, lam: float):
+    """The PPO targets of one response, written out independently of hpcrl: k1 KL penalty on each
+    token, the outcome on the last, GAE backwards from a value of 0 after the last token."""
+    rewards = -coef * (np.asarray(old, np.float64) - np.asarray(ref, np.float64))
+    rewards[-1] += outcome
+    v = np.append(np.asarray(values, np.float64), 0.0)
+    adv, last = np.zeros(len(rewards)), 0.0
+    for t in reversed(range(len(rewards))):
+        last = rewards[t] + gamma * v[t + 1] - v[t] + gamma * lam * last
+        adv[t] = last
+    return adv, adv + v[:-1]
+
+
+def test_committed_advantages_and_returns_equal_an_independent_gae(ppo_run):
+    """The update's committed token advantages and returns, recomputed in numpy from its own
+    committed inputs (rewards, old and reference logprobs, the critic's values, the KL
+    coefficient it used), with gamma 0.9 and lambda 0.8 and the batch whitening of the advantages."""
+    run, _, _ = ppo_run
+    for k in (0, 1):
+        d = run.stage_dir(k, "update")
+        table = commit.read_table(d, "advantages").to_pylist()
+        scores = commit.read_table(run.stage_dir(k, "score"), "scores").to_pylist()
+        reward = {(r["split"], r["prompt_index"], r["sample_index"]): r["reward"] for r in scores}
+        coef = json.loads((d / "kl_control.json").read_text())["kl_coef"]
+        assert coef > 0
+        advs, rets = [], []
+        for row in table:
+            if not row["old_logprobs"]:
+                continue
+            adv, ret = _numpy_gae(reward[row["split"], row["prompt_index"], row["sample_index"]], row["old_logprobs"],
+                                  row["ref_logprobs"], row["values"], coef, PPO["gamma"], PPO["lam"])
+            np.testing.assert_allclose(row["returns"], ret, atol=1e-5)
+            advs.append(adv)
+            rets.append(row)
+        flat = np.concatenate(advs)
+        whitened = (flat - flat.mean()) / np.sqrt(flat.var(ddof=1) + 1e-8)
+        committed = np.concatenate([r["token_advantages"] for r in rets])
+        np.testing.assert_allclose(committed, whitened, atol=1e-4)
+        assert abs(committed.mean()) < 1e-5 and committed.std(ddof=1) == pytest.approx(1.0, abs=1e-4)
 
 
 def test_the_saved_critic_is_the_live_one(ppo_run):

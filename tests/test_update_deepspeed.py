@@ -48,10 +48,10 @@ def _commit_inputs(run: RunDir, exp: config.Experiment, tokenizer) -> None:
     commit.commit(run.stage_dir(0, "score"), w, {"stage": "score", "policy_version": 0})
 
 
-def _run_update(write_experiment, name: str, **update) -> RunDir:
+def _run_update(write_experiment, name: str, algorithm: dict | None = None, **update) -> RunDir:
     from transformers import AutoTokenizer
 
-    exp = config.load(write_experiment(name, update=update, run={"iterations": 1}))
+    exp = config.load(write_experiment(name, update=update, run={"iterations": 1}, algorithm=algorithm or {}))
     run, _ = runs.prepare(exp, name)
     _commit_inputs(run, exp, AutoTokenizer.from_pretrained(exp.model.path))
     job = executors.LocalExecutor(run, exp).submit("update", 0)
