@@ -141,6 +141,7 @@ class Actor:
                     where = preemption.save_progress(engines, out_dir, rank, dict(zip(PROGRESS, values, strict=True)))
                     _say(rank, f"[update] iteration {k}: saved progress ({len(stats)}/{len(steps)} steps) in {where}")
                     guard.hand_over()
+        trainer.refuse_non_finite(k, stats, {name: e.module for name, e in engines.items()})
         if rank == 0:
             with ctx.timed("io"):
                 ctx.writer.write_table("stats", pa.Table.from_pylist(stats, schema=UPDATE_STATS), "stats")

@@ -8,6 +8,7 @@ the run directory holds the fully resolved config, so stages need nothing else.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from collections.abc import Iterable
 from pathlib import Path
@@ -24,8 +25,13 @@ class ConfigError(ValueError):
     """A config that cannot run; the message names the file, the key and what was expected."""
 
 
+SBATCH_OPTION = re.compile(r"[a-z][a-z0-9-]*")
+SBATCH_VALUE = re.compile(r"[A-Za-z0-9_.,:=@%/+\-\[\]]*")
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan: no key takes inf or nan (update.lr = inf once trained a non-finite policy)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RunConfig(Section):
@@ -161,7 +167,19 @@ class SlurmResources(Section):
     account: str = Field("", description="Slurm account.")
     qos: str = Field("", description="Slurm QOS.")
     constraint: str = Field("", description="Node features (--constraint).")
-    extra: dict[str, str] = Field({}, description="More sbatch options, e.g. {exclude = \"n3\"} (values are quoted, never run).")
+    extra: dict[str, str] = Field({}, description="More sbatch options, e.g. {exclude = \"n3\"}: each key an sbatch long option name, each value plain (letters, digits, _.,:=@%/+-[]); never run by a shell.")
+
+    @field_validator("extra")
+    @classmethod
+    def _sbatch_options(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, value in v.items():
+            if not SBATCH_OPTION.fullmatch(key):
+                raise ValueError(f"{key!r} is not an sbatch option name (expected a long option without its dashes: "
+                                 "lowercase letters, digits and '-', e.g. exclude)")
+            if not SBATCH_VALUE.fullmatch(value):
+                raise ValueError(f"sbatch option --{key} has the value {value!r}; expected only letters, digits and "
+                                 "_.,:=@%/+-[] (no spaces, quotes or shell characters)")
+        return v
 
 
 class ExecutorConfig(Section):

@@ -8,7 +8,6 @@ shell-quoted.
 
 from __future__ import annotations
 
-import re
 import shlex
 import sys
 from pathlib import Path
@@ -16,11 +15,10 @@ from pathlib import Path
 import jinja2
 
 from hpcrl import executors, plan
-from hpcrl.config import ConfigError, Experiment
+from hpcrl.config import SBATCH_OPTION, SBATCH_VALUE, ConfigError, Experiment
 from hpcrl.rundir import RunDir
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "sbatch"
-SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.,:=@%/+\-\[\]]*$")
 FLAG_NAMES = {"time": "time", "mem": "mem"}
 
 
@@ -31,15 +29,17 @@ def directives(params: dict, log_dir: Path) -> list[str]:
     lines = []
     for key, value in flat.items():
         flag = "--" + FLAG_NAMES.get(key, key.replace("_", "-"))
+        if not SBATCH_OPTION.fullmatch(flag[2:]):
+            raise ConfigError(f"executor: {flag!r} is not an sbatch option name")
         if value is True:
             lines.append(flag)
             continue
         text = str(value)
-        if not SAFE_VALUE.match(text):
+        if not SBATCH_VALUE.fullmatch(text):
             raise ConfigError(f"executor: sbatch option {flag} has the value {text!r}; expected only letters, digits "
                               "and _.,:=@%/+-[] (no spaces, quotes or shell characters)")
         lines.append(f"{flag}={text}")
-    if SAFE_VALUE.match(str(log_dir)):  # else Slurm's default, slurm-<id>.out where sbatch was run
+    if SBATCH_VALUE.fullmatch(str(log_dir)):  # else Slurm's default, slurm-<id>.out where sbatch was run
         lines.append(f"--output={log_dir}/%x-%j.out")
     return lines
 

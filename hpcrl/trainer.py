@@ -8,6 +8,7 @@ format and the DeepSpeed state. Stage bookkeeping (locks, commit) is not here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,6 +132,21 @@ def check_batch_shape(exp: Experiment, n_samples: int, world_size: int) -> None:
     if n_samples % (u.mini_batches * world_size):
         raise ValueError(f"update: {n_samples} samples cannot be split into update.mini_batches={u.mini_batches} "
                          f"mini-batches over update.world_size={world_size} ranks evenly")
+
+
+def refuse_non_finite(iteration: int, stats: list[dict], modules: dict[str, torch.nn.Module]) -> None:
+    """Raise before anything is written when an update's gradient norm or any updated parameter
+    (of every rank's share, under ZeRO-3) is not finite: a non-finite policy is never committed."""
+    norms = [s["step"] for s in stats if not math.isfinite(s.get("grad_norm", 0.0))]
+    counts = _all_sum([float(sum(not bool(torch.isfinite(getattr(p, "ds_tensor", p.data)).all())
+                                 for p in m.parameters())) for m in modules.values()])
+    bad = {name: int(c) for name, c in zip(modules, counts, strict=True) if c}
+    if norms or bad:
+        what = ([f"a non-finite gradient norm at step(s) {norms}"] if norms else []) + \
+               [f"{n} non-finite parameter tensor(s) in the {name}" for name, n in bad.items()]
+        raise FloatingPointError(f"the update of iteration {iteration} produced {' and '.join(what)}; nothing is "
+                                 f"committed and the run stays at policy version {iteration} (check update.lr, "
+                                 "update.grad_clip and the rewards)")
 
 
 def _all_sum(values: list[float]) -> list[float]:

@@ -284,3 +284,43 @@ def test_old_logprobs_from_the_sampler_skip_the_recompute(write_experiment):
     # the sampler's logprobs (set to -1.0 by the fixture) are far from the policy's: the ratio sees it
     stats = commit.read_table(d, "stats").to_pylist()
     assert stats[0]["ppo_kl"] < -0.01 and stats[0]["pg_clipfrac"] > 0
+
+
+class PoisonedUpdate(executors.StageCall):
+    """The update stage job with a fault injected: after the (last) optimizer step one weight of the
+    policy is set to NaN (what an overflowing step or a bad kernel leaves behind)."""
+
+    def __call__(self) -> None:
+        from hpcrl import trainer
+
+        step = trainer.engine_step
+
+        def poisoned(engine):
+            boundary = engine.is_gradient_accumulation_boundary()
+            norm = step(engine)
+            if boundary:  # after the optimizer step
+                with torch.no_grad():
+                    next(engine.module.parameters()).view(-1)[0] = float("nan")
+            return norm
+
+        trainer.engine_step = poisoned
+        super().__call__()
+
+
+def test_an_update_that_goes_non_finite_commits_nothing(write_experiment):
+    """Pins: a non-finite policy committed (and then served). The update refuses before writing
+    anything, says why, and leaves the stage uncommitted."""
+    import submitit
+    from transformers import AutoTokenizer
+
+    exp = config.load(write_experiment("nan", update={"mini_batches": 1}, run={"iterations": 1}))
+    run, _ = runs.prepare(exp, "nan")
+    _commit_inputs(run, exp, AutoTokenizer.from_pretrained(exp.model.path))
+    local = submitit.LocalExecutor(folder=run.logs / "%j")
+    job = local.submit(PoisonedUpdate("stages.update", str(run.root), 0))
+    with pytest.raises(Exception, match="FloatingPointError: the update of iteration 0 produced 1 non-finite "
+                                        "parameter tensor\\(s\\) in the trainer; nothing is committed and the run "
+                                        "stays at policy version 0"):
+        job.result()
+    assert not commit.is_committed(run.stage_dir(0, "update"))
+    assert not (run.stage_dir(0, "update") / "policy").exists()

@@ -1,0 +1,74 @@
+"""Hostile and careless inputs are refused before any job starts, naming the file, the key and
+what was expected: non-finite numbers anywhere in the config, sbatch options that could reach a
+shell, and the same through `hpcrl submit` (exit code 2, one line, no traceback)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from hpcrl import config
+from hpcrl.config import ConfigError
+
+NON_FINITE = [
+    ("update", "lr", float("inf")),
+    ("update", "lr", float("nan")),
+    ("update", "weight_decay", float("inf")),
+    ("generate", "temperature", float("inf")),
+    ("algorithm", "clip_ratio", float("nan")),
+    ("algorithm", "kl_coef", float("inf")),
+    ("algorithm", "gamma", float("nan")),
+]
+
+
+@pytest.mark.parametrize("section, key, value", NON_FINITE)
+def test_a_non_finite_number_is_refused(write_experiment, section, key, value):
+    """Pins: update.lr = inf accepted (it trained a non-finite policy)."""
+    path = write_experiment(**{section: {key: value}})
+    with pytest.raises(ConfigError) as err:
+        config.load(path)
+    assert str(path) in str(err.value) and f"{section}.{key}: Input should be a finite number" in str(err.value)
+
+
+def test_a_non_finite_reward_weight_is_refused(write_experiment):
+    path = write_experiment(reward={"functions": ["hpcrl.rewards:exact_match"], "weights": [float("nan")]})
+    with pytest.raises(ConfigError, match=r"reward\.weights\.0: Input should be a finite number"):
+        config.load(path)
+
+
+SBATCH_EXTRA = [
+    ({"exclude\ntouch /tmp/hpcrl-pwned\n#": "n1"}, "is not an sbatch option name"),  # a key that starts a shell line
+    ({"--exclude": "n1"}, "is not an sbatch option name"),
+    ({"Exclude": "n1"}, "is not an sbatch option name"),
+    ({"": "n1"}, "is not an sbatch option name"),
+    ({"exclude": "n1\ntouch /tmp/hpcrl-pwned"}, "has the value"),
+    ({"exclude": "n1\n"}, "has the value"),
+    ({"exclude": "n1;rm"}, "has the value"),
+    ({"comment": "$(id)"}, "has the value"),
+]
+
+
+@pytest.mark.parametrize("extra, says", SBATCH_EXTRA)
+def test_sbatch_options_that_could_reach_a_shell_are_refused(write_experiment, extra, says):
+    """Pins: keys of executor.<role>.extra unchecked (a newline in a key put a shell line into
+    every sbatch script, and submitit writes keys verbatim too)."""
+    path = write_experiment(executor={"update": {"extra": extra}})
+    with pytest.raises(ConfigError) as err:
+        config.load(path)
+    assert "executor.update.extra" in str(err.value) and says in str(err.value)
+
+
+def test_plain_sbatch_options_are_accepted(write_experiment):
+    exp = config.load(write_experiment(executor={"update": {"extra": {"exclude": "n[1-3]", "gres-flags": "enforce-binding"}}}))
+    assert exp.executor.update.extra == {"exclude": "n[1-3]", "gres-flags": "enforce-binding"}
+
+
+def test_submit_names_a_bad_sbatch_key_in_one_line(write_experiment, tmp_path):
+    path = write_experiment(executor={"update": {"extra": {"exclude\ntouch x": "n1"}}})
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", "--dry-run", str(path)], capture_output=True,
+                         text=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert str(path) in out.stderr and "executor.update.extra" in out.stderr
+    assert not (tmp_path / "runs").exists()  # refused before anything was created
