@@ -43,7 +43,9 @@ def _drive(run: RunDir, exp: config.Experiment) -> None:
         click.echo(line)
 
 
-def _prepare(experiment: Path, sets: tuple[str, ...] = ()):
+def _checked(experiment: Path, sets: tuple[str, ...] = ()):
+    """The experiment with its overrides, checked (config, data, model, rewards, and against its
+    run when that exists) without writing anything. Returns (exp, run, frozen config or None)."""
     from hpcrl import preflight, runs
 
     try:
@@ -51,18 +53,30 @@ def _prepare(experiment: Path, sets: tuple[str, ...] = ()):
         if sets:
             exp = config.with_overrides(exp, config.parse_assignments(sets), f"{experiment} with --set")
         notes = preflight.check(exp, str(experiment))
-        run, resumed = runs.prepare(exp, str(experiment))
+        run, frozen = runs.check(exp, str(experiment))
     except ConfigError as err:
         _fail(str(err))
     for note in notes:
         click.echo(f"note: {note}", err=True)
+    return exp, run, frozen
+
+
+def _prepare(experiment: Path, sets: tuple[str, ...] = ()):
+    from hpcrl import runs
+
+    exp, _, _ = _checked(experiment, sets)
+    try:
+        run, resumed = runs.prepare(exp, str(experiment))
+    except ConfigError as err:
+        _fail(str(err))
     return exp, run, resumed
 
 
 @main.command()
 @click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--foreground", is_flag=True, help="Slurm: drive the run from this terminal instead of a controller job.")
-@click.option("--dry-run", is_flag=True, help="Write every sbatch script of the run under RUN/sbatch/ and stop.")
+@click.option("--dry-run", is_flag=True, help="Check everything and write the resolved config and every sbatch script under "
+                                              "<runs_root>/dry-runs/<name>/; nothing is created or changed in the run.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Override a config key, e.g. update.lr=1e-5 or run.name=lr-sweep-2 (a TOML value; one that is not "
                    "TOML is taken as a string); repeatable. The run's frozen config records the result.")
@@ -72,17 +86,10 @@ def submit(experiment: Path, foreground: bool, dry_run: bool, sets: tuple[str, .
     With the local executor the run is driven in this terminal. With the Slurm executor the
     controller is submitted as a small Slurm job and this command returns (--foreground keeps it here).
     """
-    exp, run, resumed = _prepare(experiment, sets)
     if dry_run:
-        from hpcrl import sbatch
-
-        try:
-            paths = sbatch.write_all(run, exp)
-        except ConfigError as err:
-            _fail(str(err))
-        click.echo(f"dry run: config, model, tokenizer, data, rewards and batch shape checked; wrote {len(paths)} "
-                   f"sbatch scripts under {paths[0].parent} (nothing submitted)")
+        _dry_run(experiment, sets)
         return
+    exp, run, resumed = _prepare(experiment, sets)
     if resumed:
         click.echo(f"resuming the existing run {exp.run.name}")
     if exp.executor.kind == "slurm" and not foreground:
@@ -96,16 +103,31 @@ def submit(experiment: Path, foreground: bool, dry_run: bool, sets: tuple[str, .
     _drive(run, exp)
 
 
+def _dry_run(experiment: Path, sets: tuple[str, ...]) -> None:
+    from hpcrl import sbatch
+
+    exp, run, frozen = _checked(experiment, sets)
+    out = Path(exp.run.runs_root).resolve() / "dry-runs" / exp.run.name
+    try:
+        paths = sbatch.write_all(run, exp, out)
+    except ConfigError as err:
+        _fail(str(err))
+    state = f"the existing run {run.root} is left as it is" if frozen is not None else f"no run created at {run.root}"
+    click.echo(f"dry run: config, model, tokenizer, data, rewards and batch shape checked; wrote the resolved config "
+               f"and {len(paths) - 1} sbatch scripts under {out} ({state}; nothing submitted)")
+
+
 @main.command("sbatch")
 @click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--stage", type=click.Choice(["generate", "score", "update", "resident"]), help="A stage script (or the resident job's) instead of the controller's.")
 @click.option("--iteration", type=int, default=0, show_default=True)
 def sbatch_cmd(experiment: Path, stage: str | None, iteration: int) -> None:
-    """Print the exact sbatch script of the controller or of one stage (creates the run directory,
-    which the script needs, like submit --dry-run)."""
+    """Print the exact sbatch script of the controller or of one stage, to submit by hand: creates
+    (or continues) the run directory and its logs/ folder, which the script needs."""
     from hpcrl import sbatch
 
     exp, run, _ = _prepare(experiment)
+    run.logs.mkdir(exist_ok=True)  # the script's --output folder must exist at submission
     try:
         k = iteration if stage in ("generate", "score", "update") else None
         click.echo(sbatch.render(run, exp, stage or "controller", k), nl=False)

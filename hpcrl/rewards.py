@@ -13,6 +13,7 @@ and `data_source`, and returns one output per sample in the same shape as a rewa
 from __future__ import annotations
 
 import importlib
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,14 +101,31 @@ def per_sample(fn: RewardFn) -> Source:
     return source
 
 
+class RewardValueError(ValueError):
+    """A reward source gave something that is not a finite number where one is required."""
+
+
+def _finite(name: str, key: str, value) -> float:
+    """`value` as a float, refusing what is not a finite number (a string, None, NaN, inf)."""
+    try:
+        number = float(value) if not isinstance(value, str | bytes) else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not math.isfinite(number):
+        raise RewardValueError(f"reward source {name!r} gave {key} = {value!r}; expected a finite number")
+    return number
+
+
 def merge(outputs: dict[str, Output], weights: dict[str, float]) -> Scored:
     """Weighted sum of one sample's outputs by source name, with every component kept under
-    `<name>` (its score) and `<name>/<key>` (its other components)."""
+    `<name>` (its score) and `<name>/<key>` (its other components). Every number must be finite."""
     total, components, messages = 0.0, {}, []
     for name, out in outputs.items():
         if not isinstance(out, dict):
             out = {"score": out}
-        score = float(out["score"])
+        if "score" not in out:
+            raise RewardValueError(f"reward source {name!r} gave a dict without 'score' (keys {sorted(out)})")
+        score = _finite(name, "score", out["score"])
         total += weights[name] * score
         components[name] = score
         for key, value in out.items():
@@ -115,5 +133,5 @@ def merge(outputs: dict[str, Output], weights: dict[str, float]) -> Scored:
                 if value:
                     messages.append(f"{name}: {value}")
             elif key != "score":
-                components[f"{name}/{key}"] = float(value)
+                components[f"{name}/{key}"] = _finite(name, key, value)
     return Scored(total, components, "; ".join(messages))

@@ -28,18 +28,27 @@ def code_version() -> str:
         return "unknown"
 
 
+def check(exp: Experiment, source: str) -> tuple[RunDir, Experiment | None]:
+    """Whether `exp` may create or continue its run, reading only: returns (run, its frozen config
+    when the run exists). Raises ConfigError for a change a resumed run may not take."""
+    run = RunDir.at(exp.run_dir)
+    if not run.config_path.is_file():
+        return run, None
+    frozen = config.load(run.config_path)
+    conflicts = config.resume_conflicts(frozen, exp)
+    if conflicts:
+        raise ConfigError(f"{source}: run {run.root} exists with a different config; these keys may not change "
+                          "on resume (use another run.name for a new run):\n  " + "\n  ".join(conflicts))
+    if exp.run.iterations < frozen.run.iterations:
+        raise ConfigError(f"{source}: run.iterations: the run has {frozen.run.iterations}; it may grow on "
+                          f"resume, not shrink (got {exp.run.iterations})")
+    return run, frozen
+
+
 def prepare(exp: Experiment, source: str) -> tuple[RunDir, bool]:
     """The run directory of `exp`, created and frozen if new. Returns (run, resumed)."""
-    run = RunDir.at(exp.run_dir)
-    if run.config_path.is_file():
-        frozen = config.load(run.config_path)
-        conflicts = config.resume_conflicts(frozen, exp)
-        if conflicts:
-            raise ConfigError(f"{source}: run {run.root} exists with a different config; these keys may not change "
-                              "on resume (use another run.name for a new run):\n  " + "\n  ".join(conflicts))
-        if exp.run.iterations < frozen.run.iterations:
-            raise ConfigError(f"{source}: run.iterations: the run has {frozen.run.iterations}; it may grow on "
-                              f"resume, not shrink (got {exp.run.iterations})")
+    run, frozen = check(exp, source)
+    if frozen is not None:
         changes = [k for k, v in config.flat(exp).items() if config.flat(frozen)[k] != v]
         if changes:
             if exp.run.iterations > frozen.run.iterations:

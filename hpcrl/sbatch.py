@@ -9,12 +9,13 @@ shell-quoted.
 from __future__ import annotations
 
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
 import jinja2
 
-from hpcrl import executors, plan
+from hpcrl import config, executors, plan
 from hpcrl.config import SBATCH_OPTION, SBATCH_VALUE, ConfigError, Experiment
 from hpcrl.rundir import RunDir
 
@@ -51,7 +52,6 @@ def _env() -> jinja2.Environment:
 
 def render(run: RunDir, exp: Experiment, role: str, iteration: int | None = None) -> str:
     """The script of the controller, of the resident job (role "resident") or of one stage of one iteration."""
-    run.logs.mkdir(parents=True, exist_ok=True)  # the scripts' --output folder must exist at submission
     params = executors.slurm_parameters(exp, role, run.root.name)
     if iteration is not None:
         params["job_name"] += f"-{iteration}"
@@ -62,19 +62,19 @@ def render(run: RunDir, exp: Experiment, role: str, iteration: int | None = None
     return _env().get_template("stage.sbatch.j2").render(stage=role, iteration=iteration, **ctx)
 
 
-def write_all(run: RunDir, exp: Experiment) -> list[Path]:
-    """Every script of the run (controller and each stage) under RUN/sbatch/, for reading or by hand."""
-    out = run.root / "sbatch"
-    out.mkdir(exist_ok=True)
-    run.logs.mkdir(exist_ok=True)
-    paths = [out / "controller.sbatch"]
-    paths[0].write_text(render(run, exp, "controller"))
+def write_all(run: RunDir, exp: Experiment, out: Path) -> list[Path]:
+    """The resolved config and every script of the run (controller and each stage) under `out`
+    (replaced), for reading: a dry run writes nothing in the run directory itself."""
+    scripts = {"controller.sbatch": render(run, exp, "controller")}
     if exp.executor.mode == "resident":
-        paths.append(out / "resident.sbatch")
-        paths[1].write_text(render(run, exp, "resident"))
-        return paths
-    for k, stage in plan.all_stages(exp):
-        path = out / f"iter_{k:06d}-{stage}.sbatch"
-        path.write_text(render(run, exp, stage, k))
-        paths.append(path)
+        scripts["resident.sbatch"] = render(run, exp, "resident")
+    else:
+        scripts.update({f"iter_{k:06d}-{stage}.sbatch": render(run, exp, stage, k) for k, stage in plan.all_stages(exp)})
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "sbatch").mkdir(parents=True)
+    paths = [out / "experiment.toml"]
+    paths[0].write_text("# Resolved config of a dry run (written by hpcrl submit --dry-run).\n" + config.dumps(exp))
+    for name, text in scripts.items():
+        paths.append(out / "sbatch" / name)
+        paths[-1].write_text(text)
     return paths

@@ -62,7 +62,11 @@ def score(rollouts: pa.Table, sources: dict[str, rewards.Source], weights: dict[
             raise ValueError(f"reward source {name!r} returned {len(outputs[name])} outputs for {len(batch)} samples")
     out_reward, out_components, out_message = [], [], []
     for i, r in enumerate(rows):
-        s = rewards.merge({name: out[i] for name, out in outputs.items()}, weights)
+        try:
+            s = rewards.merge({name: out[i] for name, out in outputs.items()}, weights)
+        except rewards.RewardValueError as err:
+            raise rewards.RewardValueError(f"{err}, for {r['split']} prompt {r['prompt_index']} sample "
+                                           f"{r['sample_index']}; nothing is committed") from None
         components = {**s.components, "truncated": float(r["finish_reason"] == "length")}
         reward = s.reward
         if overlong_buffer and r["split"] == "train":

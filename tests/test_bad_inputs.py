@@ -72,3 +72,31 @@ def test_submit_names_a_bad_sbatch_key_in_one_line(write_experiment, tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert str(path) in out.stderr and "executor.update.extra" in out.stderr
     assert not (tmp_path / "runs").exists()  # refused before anything was created
+
+
+BAD_REWARDS = [
+    (float("nan"), "gave score = nan; expected a finite number"),
+    (float("inf"), "gave score = inf; expected a finite number"),
+    ("1.0", "gave score = '1.0'; expected a finite number"),
+    (None, "gave score = None; expected a finite number"),
+    ({"score": 1.0, "format": float("-inf")}, "gave format = -inf; expected a finite number"),
+    ({"format": 1.0}, "gave a dict without 'score' (keys ['format'])"),
+]
+
+
+@pytest.mark.parametrize("output, says", BAD_REWARDS)
+def test_a_reward_that_is_not_a_finite_number_is_refused_naming_the_function_and_sample(output, says):
+    """Pins: NaN and inf rewards committed to scores.parquet (only the HTTP backend checked)."""
+    from hpcrl import scoring
+    from tests.synthetic_run import rollouts_table
+
+    rollouts = rollouts_table(0, n_train=8, n_val=0, group_size=4)
+
+    def source(batch):
+        return [1.0] * 5 + [output] + [0.0] * (len(batch) - 6)
+
+    row = rollouts.slice(5, 1).to_pylist()[0]
+    with pytest.raises(ValueError) as err:
+        scoring.score(rollouts, {"my_rewards:judge": source}, {"my_rewards:judge": 1.0})
+    assert str(err.value) == (f"reward source 'my_rewards:judge' {says}, for train prompt {row['prompt_index']} "
+                              f"sample {row['sample_index']}; nothing is committed")

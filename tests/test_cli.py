@@ -46,7 +46,8 @@ def test_submit_set_overrides_keys_and_names_a_bad_one(write_experiment, tmp_pat
     out = hpcrl("submit", str(path), "--dry-run", "--set", "run.name=sweep-2", "--set", "update.lr=3e-5",
                 "--set", 'executor.kind="slurm"', "--set", "algorithm.loss_agg=seq-mean-token-mean")
     assert out.returncode == 0, out.stderr
-    frozen = tomllib.loads((tmp_path / "runs" / "sweep-2" / "experiment.toml").read_text())
+    frozen = tomllib.loads((tmp_path / "runs" / "dry-runs" / "sweep-2" / "experiment.toml").read_text())
+    assert not (tmp_path / "runs" / "sweep-2").exists()  # a dry run creates no run
     assert frozen["update"]["lr"] == 3e-5 and frozen["executor"]["kind"] == "slurm"
     assert frozen["algorithm"]["loss_agg"] == "seq-mean-token-mean"  # a bare string is taken as one
     assert not (tmp_path / "runs" / "base").exists()
@@ -54,3 +55,27 @@ def test_submit_set_overrides_keys_and_names_a_bad_one(write_experiment, tmp_pat
                       ("update.lr", "expected KEY=VALUE"), ("update.lr=fast", "update.lr")):
         out = hpcrl("submit", str(path), "--dry-run", "--set", bad)
         assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, (bad, out.stderr)
+
+
+def test_a_dry_run_leaves_an_existing_run_byte_identical(write_experiment, tmp_path):
+    """Pins: `submit --dry-run` with a larger run.iterations renamed the run's final-validation
+    iteration and re-froze its config (a later --set of the old value was then refused)."""
+    from hpcrl import config, runs
+    from tests.synthetic_run import make_run
+
+    path = write_experiment("r")
+    runs.prepare(config.load(path), str(path))
+    run = make_run(tmp_path / "runs" / "r", iterations=2, rows=32, val_rows=8, group_size=4)
+
+    def tree() -> dict:
+        return {p.relative_to(run.root): (p.read_bytes() if p.is_file() else None) for p in sorted(run.root.rglob("*"))}
+
+    before = tree()
+    assert run.iteration_dir(2).exists()  # the final validation
+    out = hpcrl("submit", str(path), "--dry-run", "--set", "run.iterations=4")
+    assert out.returncode == 0, out.stderr
+    assert f"the existing run {run.root} is left as it is" in out.stdout
+    assert tree() == before
+    assert "iterations = 4" in (tmp_path / "runs" / "dry-runs" / "r" / "experiment.toml").read_text()
+    again = hpcrl("submit", str(path), "--dry-run", "--set", "run.iterations=2")
+    assert again.returncode == 0, again.stderr

@@ -91,9 +91,11 @@ def test_grpo_recipe_dry_run_writes_scripts_with_its_resources(recipe, update_no
     assert (f"note: data.train: {path.parent.parent}/data/gsm8k/train.parquet: dropped {N_LONG} of "
             f"{N_TRAIN + N_LONG} prompts longer than model.max_model_len - generate.max_tokens = 512 tokens") in out.stderr
     exp = config.load(path)
-    sbatch = exp.run_dir / "sbatch"
-    assert sbatch == tmp_path / "runs" / exp.run.name / "sbatch"
-    frozen = config.load(exp.run_dir / "experiment.toml")
+    dry = tmp_path / "runs" / "dry-runs" / exp.run.name
+    assert f"under {dry} (no run created at {exp.run_dir}; nothing submitted)" in out.stdout
+    assert not exp.run_dir.exists()
+    sbatch = dry / "sbatch"
+    frozen = config.load(dry / "experiment.toml")
     assert frozen.model.dtype == "bfloat16" and frozen.algorithm.kl_estimator == "k3"
     assert len(list(sbatch.glob("iter_*-update.sbatch"))) == exp.run.iterations
     update = _directives(sbatch / "iter_000000-update.sbatch")
@@ -117,4 +119,5 @@ def test_ppo_recipe_dry_run(tmp_path, tiny_task, gsm8k_data):
     assert (exp.algorithm.name, exp.algorithm.group_size, exp.algorithm.critic_lr) == ("ppo", 1, 1e-5)
     out = _dry_run(path)
     assert out.returncode == 0, out.stderr
-    assert "--gpus-per-node=8" in (exp.run_dir / "sbatch" / "iter_000000-update.sbatch").read_text()
+    dry = exp.run_dir.parent / "dry-runs" / exp.run.name
+    assert "--gpus-per-node=8" in (dry / "sbatch" / "iter_000000-update.sbatch").read_text()
