@@ -5,10 +5,10 @@ Usage: python tools/build_tiny_task.py [--out DIR] [--force]
 DIR defaults to $HPCRL_TINY_TASK_DIR, else <repo>/.cache/tiny-addition. It receives:
   model/       Qwen2ForCausalLM (float32, safetensors), byte-level BPE tokenizer, ChatML chat template
   data/        train.parquet and test.parquet (disjoint prompts) in verl's layout
-  BUILD.json   parameters, hash of (this script + parameters), measured accuracies, library versions
+  BUILD.json   parameters, hash of (this script's code + parameters), measured accuracies, library versions
 
 The prompts are sums of 2-digit numbers: three quarters of two terms ("37+45="), one quarter of
-three ("12+34+56="), the hard kind. The warm start follows FACTS.md, in three supervised passes:
+three ("12+34+56="), the hard kind. The warm start is three supervised passes:
 correct two-term sums until the model gets them right; a short pass with three-term sums mixed in;
 then a pass where about 60% of the answers are zero-padded to 4 digits ("0082", which earns no
 reward). The model's two-term arithmetic stays mostly right while its greedy exact-match accuracy is
@@ -84,7 +84,17 @@ def default_out() -> Path:
 
 
 def build_hash() -> str:
-    blob = Path(__file__).read_bytes() + json.dumps(PARAMS, sort_keys=True).encode()
+    """Hash of this script's code (its syntax tree without docstrings: comments and docs do not
+    change what is built) and the parameters."""
+    import ast
+
+    tree = ast.parse(Path(__file__).read_text())
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    blob = ast.dump(tree).encode() + json.dumps(PARAMS, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()
 
 
