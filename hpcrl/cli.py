@@ -256,9 +256,11 @@ def ui(runs_root: Path, port: int) -> None:
 
 
 @main.command("config")
-def config_reference() -> None:
+@click.option("--markdown", is_flag=True,
+              help="The reference as Markdown, one table per section (docs/configuration.md is this output).")
+def config_reference(markdown: bool) -> None:
     """Print every experiment.toml key with its default and meaning."""
-    click.echo(config.reference())
+    click.echo(config.reference_markdown() if markdown else config.reference(), nl=not markdown)
 
 
 # ---- debugging a run: inspect, plot, export (hpcrl/inspection.py, plots.py, export.py) -------------

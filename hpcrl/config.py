@@ -406,3 +406,62 @@ def reference() -> str:
     for section, field in Experiment.model_fields.items():
         _reference(field.annotation, section, lines)
     return "\n".join(lines)
+
+
+def reference_markdown() -> str:
+    """The config reference as a Markdown page (docs/configuration.md): a table per section."""
+    import typing
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("<", "&lt;")
+
+    def inline(value: Any) -> str:
+        if isinstance(value, list | tuple):
+            return "[" + ", ".join(inline(v) for v in value) + "]"
+        return _toml_value(value)
+
+    def table(model: type[BaseModel], section: str, description: str, defaults: BaseModel | None) -> list[str]:
+        out = [f"## [{section}]", ""] + ([cell(description), ""] if description else [])
+        out += ["| key | default | meaning |", "|---|---|---|"]
+        nested = []
+        for name, f in model.model_fields.items():
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                nested.append((name, f))
+                continue
+            value = getattr(defaults, name) if defaults is not None else f.default
+            default = "(required)" if f.is_required() else f"`{inline(value)}`"
+            meaning = cell(f.description or "")
+            if typing.get_origin(ann) is Literal:
+                meaning += " One of " + ", ".join(f"`{inline(v)}`" for v in typing.get_args(ann)) + "."
+            out.append(f"| `{section}.{name}` | {cell(default)} | {meaning} |")
+        out.append("")
+        for name, f in nested:
+            out += table(f.annotation, f"{section}.{name}", f.description or "", f.default)
+        return out
+
+    resumable = ", ".join(f"`{c}*`" if c.endswith(".") else f"`{c}`" for c in RESUMABLE_CHANGES)
+    body: list[str] = []
+    for section, field in Experiment.model_fields.items():
+        body += table(field.annotation, section, "", None)
+    sections = [line[3:] for line in body if line.startswith("## [")]
+    toc = [f"[{s}](#{re.sub(r'[^a-z0-9_-]', '', s.lower())})" for s in sections]
+    head = [
+        "# Configuration reference", "",
+        "<!-- Generated from hpcrl/config.py by `hpcrl config --markdown > docs/configuration.md`; "
+        "do not edit by hand. -->", "",
+        "An experiment is one TOML file; `configs/demo.toml` is a complete example, and `hpcrl config` "
+        "prints every key below as commented TOML. Unknown keys, wrong types, missing files, a dataset "
+        "without the prompt column, a tokenizer that does not match the model, a batch that does not "
+        "split over the ranks: each is refused before anything runs, naming the file, the key and what "
+        "was expected. Relative paths are relative to the config file. `hpcrl submit --set KEY=VALUE` "
+        "overrides a key (a TOML value), validated like the file.", "",
+        "The resolved config is frozen into the run directory (`experiment.toml`). Resubmitting a changed "
+        f"config to an existing run is refused, except for {resumable} (recorded in `run.json`); "
+        "`run.iterations` may grow, not shrink.", "",
+        "Datasets, reward functions, reward models and reward services are described in "
+        "[data-and-rewards.md](data-and-rewards.md), the algorithms behind `[algorithm]` in "
+        "[algorithms.md](algorithms.md), `[executor]` in [slurm.md](slurm.md) and [resident.md](resident.md).", "",
+        "Sections: " + " · ".join(toc), "",
+    ]
+    return "\n".join(head + body).rstrip() + "\n"

@@ -134,13 +134,6 @@ def test_resume_refuses_changed_config_but_allows_more_iterations(write_experime
         runs.prepare(config.with_overrides(exp, {"run.iterations": 3}, "e.toml"), "e.toml")
 
 
-def test_readme_config_reference_is_current():
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert config.reference().rstrip() in readme, "README's config reference is stale: paste `hpcrl config`"
-
-
 def test_ppo_only_keys_and_kl_controller_need_their_algorithm(write_experiment):
     with pytest.raises(ConfigError, match=r"algorithm\.kl_mode: only algorithm\.name = \"ppo\""):
         config.load(write_experiment(algorithm={"kl_mode": "reward", "kl_coef": 0.1}))
