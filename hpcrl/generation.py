@@ -27,7 +27,7 @@ def on_gpu() -> bool:
 
 
 def configure_env(exp: Experiment, scratch: Path | None = None) -> None:
-    """Environment vLLM reads at import time; set before `import vllm` (see FACTS.md)."""
+    """Environment vLLM reads at import time, set before `import vllm`: per-user scratch, no usage stats."""
     scratch = scratch or Path(tempfile.gettempdir()) / f"hpcrl-vllm-{os.getuid()}"
     scratch.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -50,7 +50,7 @@ def make_engine(exp: Experiment, model_path: Path, seed: int, worker_extension_c
         kwargs["gpu_memory_utilization"] = exp.generate.gpu_memory_utilization
         kwargs["tensor_parallel_size"] = exp.generate.tensor_parallel_size
         kwargs["enable_sleep_mode"] = exp.executor.colocate
-    else:  # explicit KV cache size (unset, vLLM takes most of the node's memory; see FACTS.md)
+    else:  # explicit KV cache size (left unset, vLLM's CPU backend takes most of the node's memory)
         kwargs["kv_cache_memory_bytes"] = int(exp.generate.kv_cache_gib * (1 << 30))
     if worker_extension_cls:
         kwargs["worker_extension_cls"] = worker_extension_cls

@@ -5,7 +5,8 @@ its methods with `llm.collective_rpc(name, ...)`: every worker (one per tensor-p
 joins the weight-sync group as its own receiver, takes the whole state dict as the trainer
 broadcasts it, and feeds it as one stream to vLLM's layer-wise in-place reload, which shards,
 fuses (q/k/v, gate/up) and repacks as at load time. One reload call per update, never one per
-chunk: a chunk that splits a fused parameter would corrupt it silently (FACTS.md).
+chunk: a chunk that splits a fused parameter would corrupt it silently (the reload's last step
+processes a partly loaded layer as it is, logging that at debug level only).
 """
 
 from __future__ import annotations

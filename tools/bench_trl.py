@@ -51,8 +51,8 @@ from pathlib import Path
 from hpcrl import commit, config
 
 REPO = Path(__file__).resolve().parents[1]
-# Versions that work together on CPU (FACTS.md: torch==2.13.0 resolves to the local CPU build; an
-# unpinned torch would pull a CUDA build of several GB). Changing this list rebuilds the venv.
+# Versions that work together on CPU (on the development machine torch==2.13.0 resolves to a local CPU
+# wheel; an unpinned torch would pull a CUDA build of several GB). Changing this list rebuilds the venv.
 TRL_PINS = ("torch==2.13.0", "trl==1.16.0", "transformers==5.19.0", "accelerate==1.15.0", "datasets==5.2.0",
             "tokenizers==0.23.3", "safetensors==0.8.0")
 STAMP = "hpcrl-bench-pins.txt"

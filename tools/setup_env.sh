@@ -15,7 +15,8 @@ fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip wheel setuptools
-# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build (FACTS.md).
+# torch first and pinned: on the development machine torch==2.13.0 resolves to a local CPU wheel;
+# an unpinned torch pulls a multi-GB CUDA build.
 $PIP install -q "torch==2.13.0"
 if [ "$EXTRA" = cpu ]; then
   $PIP install -q -e ".[cpu,test]" "torch==2.13.0"
