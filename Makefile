@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup task slurm demo test lint
+.PHONY: setup task slurm demo test lint mutate
 setup:
 	bash tools/setup_env.sh
 
@@ -20,6 +20,11 @@ slurm:
 
 test: task slurm
 	$(PY) -m pytest -v -ra $(PYTEST_ARGS)
+
+# Mutation testing of the core modules, each against its fast tests (docs/testing.md; about 15 min).
+# MUTATE_ARGS picks groups and options, e.g. make mutate MUTATE_ARGS="algorithms --diffs".
+mutate: task
+	$(PY) tools/mutate.py $(MUTATE_ARGS)
 
 lint: setup
 	.venv/bin/ruff check hpcrl stages tools tests

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,10 +33,13 @@ def test_ppo_clip_by_hand():
     # token 1: ratio 1.65 > 1.2 with A>0 -> clipped -1.2; token 2: ratio 0.61, A>0 -> -0.61 unclipped;
     # token 3: ratio 0.61 < 0.8 with A<0 -> clipped 0.8
     expected = (-1.2 - r_lo + 0.8) / 3
-    assert r_hi > 1.2
     assert out.loss.item() == pytest.approx(expected, abs=1e-6)
     assert out.clipfrac.item() == pytest.approx(2 / 3)
     assert out.ppo_kl.item() == pytest.approx((-0.5 + 0.5 + 0.5) / 3)
+    # with clip_ratio 1 the range [0, 2] holds every ratio: nothing is clipped, token 1 counts e^0.5
+    wide = losses.ppo_clip(logp, old, adv, mask, clip_ratio=1.0)
+    assert wide.loss.item() == pytest.approx((-r_hi - r_lo + r_lo) / 3, abs=1e-6)
+    assert wide.clipfrac.item() == 0.0
 
 
 def test_ppo_clip_ignores_masked_tokens_and_broadcasts_sequence_advantages():
@@ -65,16 +69,22 @@ def test_kl_term_adds_to_loss_with_its_coefficient():
     assert out.kl_ref.item() == pytest.approx(0.5)
 
 
-def test_token_mean_is_invariant_to_how_the_batch_is_split():
+@pytest.mark.parametrize("mode", losses.AGGREGATIONS)
+def test_kl_and_entropy_terms_are_the_same_with_one_or_three_parts(mode):
+    """pins: the KL and entropy terms are normalised by the mini-batch totals n_tokens / n_seqs too."""
     torch.manual_seed(0)
-    logp, old = torch.randn(6, 5) * 0.1, torch.randn(6, 5) * 0.1
+    logp, old, ref = torch.randn(6, 5) * 0.1, torch.randn(6, 5) * 0.1, torch.randn(6, 5) * 0.1
+    ent = torch.rand(6, 5)
     adv = torch.randn(6)
     mask = (torch.rand(6, 5) > 0.3).float()
-    n = mask.sum().item()
-    whole = losses.ppo_clip(logp, old, adv, mask, 0.2, n_tokens=n).loss
-    parts = sum(losses.ppo_clip(logp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], 0.2, n_tokens=n).loss
-                for i in range(0, 6, 2))
-    assert parts.item() == pytest.approx(whole.item(), abs=1e-7)
+    n_tok, n_seq = mask.sum().item(), 6
+
+    def loss(i: int, j: int) -> torch.Tensor:
+        return losses.ppo_clip(logp[i:j], old[i:j], adv[i:j], mask[i:j], 0.2, ref_logp=ref[i:j], kl_coef=0.5,
+                               n_tokens=n_tok, agg=mode, n_seqs=n_seq, token_entropy=ent[i:j],
+                               entropy_coef=0.3).loss
+
+    assert sum(loss(i, i + 2) for i in range(0, 6, 2)).item() == pytest.approx(loss(0, 6).item(), abs=1e-7)
 
 
 def test_token_logprobs_and_entropy_by_hand():
@@ -187,13 +197,15 @@ def test_value_loss_with_clipping_by_hand():
     assert plain.clipfrac.item() == 0.0
 
 
-def test_value_loss_is_the_same_with_one_or_two_ranks():
+@pytest.mark.parametrize("mode", losses.AGGREGATIONS)
+def test_value_loss_is_the_same_with_one_or_two_ranks(mode):
     torch.manual_seed(2)
     v, old, ret = torch.randn(8, 5), torch.randn(8, 5), torch.randn(8, 5)
     mask = (torch.rand(8, 5) > 0.3).float()
     n = mask.sum().item()
-    whole = losses.value_loss(v, old, ret, mask, 0.2, n_tokens=n).loss
-    parts = sum(losses.value_loss(v[i:i + 2], old[i:i + 2], ret[i:i + 2], mask[i:i + 2], 0.2, n_tokens=n).loss
+    whole = losses.value_loss(v, old, ret, mask, 0.2, n_tokens=n, agg=mode, n_seqs=8).loss
+    parts = sum(losses.value_loss(v[i:i + 2], old[i:i + 2], ret[i:i + 2], mask[i:i + 2], 0.2, n_tokens=n, agg=mode,
+                                  n_seqs=8).loss
                 for i in range(0, 8, 2))
     assert parts.item() == pytest.approx(whole.item(), abs=1e-6)
 
@@ -270,3 +282,200 @@ def test_adaptive_kl_controller_by_hand(tmp_path):
     fixed = AlgorithmConfig(name="ppo", kl_coef=0.1)
     assert kl_control.step(fixed, 0.1, 2.0, 10).next_kl_coef == 0.1
     assert kl_control.current_coef(fixed, tmp_path) == 0.1
+
+
+# Defaults, edge cases and float64 internals, each pinning a bug that the tests above would miss.
+
+def test_estimators_normalise_by_std_by_default():
+    """pins: compute() and grpo() divide by the group std unless told otherwise (norm_by_std=True)."""
+    r, g = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.zeros(4, dtype=torch.long)
+    # mean 0.25, unbiased std 0.5: (0.75, -0.25, -0.25, -0.25) / 0.5
+    assert advantages.compute("grpo", r, g).tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-5)
+    assert advantages.compute("grpo", r, g, norm_by_std=True).tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5],
+                                                                                        abs=1e-5)
+
+
+def test_gae_defaults_to_the_undiscounted_reward_to_go():
+    """pins: gamma and lam default to 1 (advantage = reward-to-go - V)."""
+    rewards = torch.tensor([[0.5, 0.0, 1.0]], dtype=torch.float64)
+    values = torch.tensor([[0.25, 0.5, 0.75]], dtype=torch.float64)
+    adv, ret = advantages.gae(rewards, values, torch.ones(1, 3))
+    assert ret[0].tolist() == pytest.approx([1.5, 1.0, 1.0])
+    assert adv[0].tolist() == pytest.approx([1.25, 0.5, 0.25])
+
+
+def test_gae_skips_a_masked_hole_inside_a_response():
+    """pins: a position outside the mask passes the running advantage and the next value through
+    unchanged (`+ (1 - m) * last`, `+ (1 - m) * next_value`), so the row equals the row without it."""
+    rewards = torch.tensor([[0.0, 9.0, 1.0]], dtype=torch.float64)
+    values = torch.tensor([[0.5, 9.0, 0.7]], dtype=torch.float64)
+    adv, ret = advantages.gae(rewards, values, torch.tensor([[1.0, 0.0, 1.0]]), gamma=0.9, lam=0.5)
+    # without the hole: delta1 = 1 - 0.7 = 0.3, A1 = 0.3; delta0 = 0 + 0.9 * 0.7 - 0.5 = 0.13, A0 = 0.13 + 0.45 * 0.3
+    assert adv[0].tolist() == pytest.approx([0.13 + 0.45 * 0.3, 0.0, 0.3])
+    assert ret[0].tolist() == pytest.approx([0.13 + 0.45 * 0.3 + 0.5, 0.0, 1.0])
+
+
+def test_gae_accumulates_in_float64_and_returns_the_input_dtype():
+    """pins: the advantages are held in float64 (returns = A + V is not rounded twice) and both outputs
+    come back in the rewards' dtype."""
+    big = 2.0**24 + 2  # a float32; 1 - big = -(2^24 + 1) is not, and rounds to -2^24
+    adv, ret = advantages.gae(torch.tensor([[1.0]]), torch.tensor([[big]]), torch.ones(1, 1))
+    assert adv.dtype == torch.float32 and ret.dtype == torch.float32
+    assert adv.item() == float(np.float32(1.0 - big))
+    assert ret.item() == 1.0  # float32 advantages would give -2^24 + big = 2
+
+
+def test_masked_whiten_edge_cases():
+    """pins: eps defaults to 1e-8 (added, not subtracted); the mean divides by n (not max(n, 2)), the
+    variance by n - 1 (not max(n - 1, 2)) and x - mean is multiplied by 1 / std; float64 inside, the
+    input dtype out."""
+    two = advantages.masked_whiten(torch.tensor([[1.0, 3.0, 7.0]]), torch.tensor([[1.0, 1.0, 0.0]]))
+    assert two.dtype == torch.float32
+    assert two[0].tolist() == pytest.approx([-1 / math.sqrt(2), 1 / math.sqrt(2), 0.0])  # mean 2, var 2
+    one = advantages.masked_whiten(torch.tensor([[5.0, 7.0]]), torch.tensor([[1.0, 0.0]]))
+    assert one[0].tolist() == [0.0, 0.0]
+    flat = advantages.masked_whiten(torch.full((1, 3), 4.0), torch.ones(1, 3))
+    assert flat[0].tolist() == [0.0, 0.0, 0.0]  # var 0: finite thanks to eps
+    x = np.array([2.0**24, 2**24 + 2, 2**24 + 2, 2**24 + 2], dtype=np.float32)
+    out = advantages.masked_whiten(torch.tensor(x)[None], torch.ones(1, 4))
+    x64 = x.astype(np.float64)
+    expected = (x64 - x64.mean()) / np.sqrt(x64.var(ddof=1) + 1e-8)  # float32 sums would lose the 1.5
+    assert out[0].tolist() == pytest.approx(expected.tolist(), rel=1e-6)
+
+
+def test_token_rewards_edge_cases():
+    """pins: kl_coef defaults to 0; no KL tensor means no penalty whatever the coefficient (`and`); a
+    response of one token at position 0 still gets its outcome (`last >= 0`); the penalty is computed
+    in float64 and the result is float64."""
+    outcome = torch.tensor([2.0, 1.0])
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+    kl = torch.tensor([[0.7, 0.7, 0.7], [0.7, 0.7, 0.7]])
+    assert advantages.token_rewards(outcome, mask, kl).tolist() == [[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]]
+    assert advantages.token_rewards(outcome, mask, None, 0.5).tolist() == [[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]]
+    assert advantages.token_rewards(outcome, mask).dtype == torch.float64
+    r = advantages.token_rewards(outcome, mask, kl, 0.3)
+    assert r.dtype == torch.float64
+    pen = -0.3 * float(np.float32(0.7))  # the float32 KL times 0.3 in float64
+    assert r[1].tolist() == pytest.approx([pen, pen + 1.0, 0.0], rel=1e-12)
+    assert r[0, 0].item() == pytest.approx(pen + 2.0, rel=1e-12)
+
+
+def test_default_modes_and_messages_of_the_loss_functions():
+    """pins: aggregate() defaults to token-mean, kl_penalty() to k3; an unknown mode is named in the error."""
+    values, mask = torch.tensor([[1.0, 2.0], [3.0, 0.0]]), torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    assert losses.aggregate(values, mask).item() == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="unknown loss aggregation 'tokens'"):
+        losses.aggregate(values, mask, "tokens")
+    logp, ref = torch.tensor([0.25]), torch.tensor([0.75])  # log ratio -0.5
+    assert losses.kl_penalty(logp, ref).item() == pytest.approx(math.exp(0.5) - 0.5 - 1)
+    assert losses.kl_penalty(logp, ref, "k1").item() == pytest.approx(-0.5)
+
+
+def test_means_over_one_token_or_one_sequence_divide_by_one():
+    """pins: the denominators are clamped at 1, not 2 (token_mean and the sequence aggregations)."""
+    values, mask = torch.tensor([[3.0, 5.0]]), torch.tensor([[1.0, 0.0]])
+    assert losses.token_mean(values, mask).item() == 3.0
+    assert losses.token_mean(values, torch.zeros(1, 2)).item() == 0.0  # no token: 0, not a division by 0
+    assert losses.aggregate(values, torch.ones(1, 2), "seq-mean-token-sum").item() == 8.0
+    assert losses.aggregate(values, torch.ones(1, 2), "seq-mean-token-mean").item() == 4.0
+
+
+def test_logprobs_and_entropy_per_position():
+    """pins: token_logprobs and entropy keep one value per position of a [batch, tokens] input."""
+    logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, 0.0], [math.log(3.0), 0.0]]])  # p1 = 3/4, 1/2, 1/4
+    lp = losses.token_logprobs(logits, torch.tensor([[1, 1, 1]]))
+    assert lp.shape == (1, 3)
+    assert lp[0].tolist() == pytest.approx([math.log(0.75), math.log(0.5), math.log(0.25)])
+    h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert losses.entropy(logits)[0].tolist() == pytest.approx([h, math.log(2.0), h])
+
+
+def test_ppo_clip_defaults_and_switches():
+    """pins: clip_ratio defaults to 0.2, kl_coef and entropy_coef to 0, kl_estimator to k3; the KL term
+    needs both a reference and kl_coef > 0, the entropy term both entropies and entropy_coef > 0
+    (`and`, `> 0`); kl_ref is 0 without a KL term; the ratio is exp(logp - old_logp)."""
+    old = torch.tensor([[0.5, -1.0]])
+    logp = old + torch.log(torch.tensor([[1.5, 1.0]]))  # ratios 1.5 and 1
+    mask, adv = torch.ones(1, 2), torch.ones(1)
+    plain = losses.ppo_clip(logp, old, adv, mask)
+    assert plain.loss.item() == pytest.approx((-1.2 - 1.0) / 2)  # 1.5 clipped at 1 + 0.2
+    assert plain.clipfrac.item() == 0.5  # the ratio-1 token is not clipped
+    assert plain.kl_ref.item() == 0.0
+    ref = logp - 0.5
+    no_kl = losses.ppo_clip(logp, old, adv, mask, ref_logp=ref)
+    no_ent = losses.ppo_clip(logp, old, adv, mask, token_entropy=torch.ones(1, 2))
+    only_coefs = losses.ppo_clip(logp, old, adv, mask, kl_coef=0.5, entropy_coef=0.5)
+    zero_coef = losses.ppo_clip(logp, old, adv, mask, ref_logp=ref, kl_coef=0.0)
+    for out in (no_kl, no_ent, only_coefs, zero_coef):
+        assert out.loss.item() == pytest.approx(plain.loss.item())
+        assert out.kl_ref.item() == 0.0
+    k3 = math.exp(-0.5) + 0.5 - 1
+    kl = losses.ppo_clip(logp, old, adv, mask, ref_logp=ref, kl_coef=0.5)
+    assert kl.loss.item() == pytest.approx(plain.loss.item() + 0.5 * k3)
+    assert kl.kl_ref.item() == pytest.approx(k3)
+    ent = losses.ppo_clip(logp, old, adv, mask, token_entropy=torch.tensor([[0.5, 1.5]]) * 2, entropy_coef=0.5)
+    assert ent.loss.item() == pytest.approx(plain.loss.item() - 0.5 * 2.0)  # token-mean entropy 2
+
+
+def test_dual_clip_leaves_positive_advantages_alone():
+    """pins: the dual-clip cap applies to negative advantages only (`advantages < 0`)."""
+    old, mask = torch.zeros(1, 2), torch.ones(1, 2)
+    logp = torch.log(torch.tensor([[1.0, 1.0]]))
+    adv = torch.tensor([[0.5, 0.25]])
+    out = losses.ppo_clip(logp, old, adv, mask, clip_ratio=0.2, dual_clip_c=3.0)
+    assert out.loss.item() == pytest.approx((-0.5 - 0.25) / 2)
+
+
+def test_value_clipping_in_both_directions():
+    """pins: clip defaults to 0 (plain squared error); the clipped value is V_old + clamp(V - V_old,
+    -clip, clip); a token whose clipped and plain errors are equal is not counted as clipped."""
+    values = torch.tensor([[0.1, 0.6, 2.0]])
+    old = torch.tensor([[0.5, 0.5, 0.5]])
+    returns = torch.tensor([[0.0, 1.0, 0.0]])
+    mask = torch.ones(1, 3)
+    plain = (0.1**2 + 0.4**2 + 2.0**2) / 3
+    assert losses.value_loss(values, old, returns, mask).loss.item() == pytest.approx(0.5 * plain)
+    out = losses.value_loss(values, old, returns, mask, clip=0.2)
+    # token 1 moves down 0.4: clipped to 0.3, error 0.09 > 0.01 counts; token 2 moves 0.1: unclipped, 0.16;
+    # token 3 moves up 1.5: clipped to 0.7, error 0.49 < 4.0, the plain error counts
+    assert out.loss.item() == pytest.approx(0.5 * (0.09 + 0.16 + 4.0) / 3)
+    assert out.clipfrac.item() == pytest.approx(1 / 3)
+    # moving 2.5 toward the return: clip 0.2 keeps the error of 3 - 0.2 = 2.8; no clip by default
+    toward = [torch.tensor([[x]]) for x in (0.5, 3.0, 0.0, 1.0)]
+    assert losses.value_loss(*toward).loss.item() == pytest.approx(0.5 * 0.25)
+    assert losses.value_loss(*toward, clip=0.2).loss.item() == pytest.approx(0.5 * 2.8**2)
+
+
+def test_float64_inputs_give_float64_statistics():
+    """pins: kl_ref (without a reference) and the value clipfrac (without clipping) are zeros of the
+    inputs' dtype, like every other statistic."""
+    logp = torch.zeros(1, 2, dtype=torch.float64)
+    out = losses.ppo_clip(logp, logp.clone(), torch.ones(1, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64))
+    assert [t.dtype for t in (out.loss, out.pg_loss, out.clipfrac, out.ppo_kl, out.kl_ref)] == [torch.float64] * 5
+    v = losses.value_loss(logp, logp, logp + 1, torch.ones(1, 2, dtype=torch.float64))
+    assert (v.loss.dtype, v.clipfrac.dtype) == (torch.float64, torch.float64)
+
+
+def test_explained_variance_of_no_tokens_is_nan():
+    """pins: an empty mask gives NaN (float("nan")), not an error."""
+    assert math.isnan(losses.explained_variance(torch.ones(1, 2), torch.ones(1, 2), torch.zeros(1, 2)))
+
+
+def test_kl_controller_details(tmp_path):
+    """pins: the error is KL / target - 1 (a division); an empty batch has KL 0; the record keeps the
+    coefficient used and the KL measured, and is written as indented JSON with sorted keys; a missing
+    record is named in the error."""
+    from hpcrl import kl_control
+    from hpcrl.config import AlgorithmConfig
+
+    # KL 2.2 against target 2: error 0.1 -> coef * (1 + 0.1 * 10 / 100)
+    assert kl_control.adaptive_kl_coef(0.5, 2.2, 2.0, 100, 10) == pytest.approx(0.505)
+    assert kl_control.sequence_kl(torch.zeros(0, 3), torch.zeros(0, 3)) == 0.0
+    adaptive = AlgorithmConfig(name="ppo", kl_coef=0.5, kl_target=1.0, kl_horizon=100)
+    record = kl_control.step(adaptive, 0.5, 2.0, 10)
+    assert (record.kl_coef, record.kl, record.next_kl_coef) == (0.5, 2.0, pytest.approx(0.51))
+    record.save(tmp_path)
+    assert (tmp_path / kl_control.FILE).read_text() == \
+        '{\n  "kl": 2.0,\n  "kl_coef": 0.5,\n  "next_kl_coef": 0.51\n}\n'
+    with pytest.raises(FileNotFoundError, match="needs the coefficient the previous update recorded"):
+        kl_control.current_coef(adaptive, tmp_path / "nowhere")

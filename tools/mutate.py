@@ -1,0 +1,140 @@
+#!/usr/bin/env python
+"""Mutation testing of hpcrl's core modules with mutmut 3: each group of modules against the fast
+tests that exercise it, one table of scores at the end (`make mutate`; docs/testing.md).
+
+    python tools/mutate.py [--list] [--diffs] [--max-children N] [GROUP ...]
+
+GROUPS below names each group's modules and test files (default: every group). A group runs in its
+own scratch directory, mutants/<group>/: links to the sources and a setup.cfg whose [mutmut]
+section is the project's with `only_mutate` and `pytest_add_cli_args_test_selection` set to the
+group. There mutmut copies the project into mutants/<group>/mutants/, records which of the
+group's tests call each function, and runs every mutant against those tests only, forked from a
+process that has imported everything. Each run starts from scratch: mutmut keeps a cached verdict
+even when a new test would now kill the mutant.
+
+The score is (killed + timeout) / mutants, mutmut's own; a mutant no test reaches counts against
+it. --diffs prints each surviving mutant's diff (`mutmut show NAME`, run in mutants/<group>/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import configparser
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LINKED = ("hpcrl", "stages", "tests", "tools", "configs", "README.md")  # what the tests read
+GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name: (modules, test files)
+    "algorithms": (("advantages", "losses", "kl_control"), ("test_algorithms",)),
+    "batches": (("batches",), ("test_batches",)),
+    "dynamic_sampling": (("dynamic_sampling",), ("test_dynamic_sampling",)),
+    "config": (("config", "runs", "plan"), ("test_config", "test_plan")),
+    "commit": (("commit", "stage"), ("test_commit",)),
+    "replay": (("replay",), ("test_replay_verdicts",)),
+    "weight_sync": (("weight_sync",), ("test_weight_sync",)),
+    "preemption": (("preemption",), ("test_preemption_ranks",)),
+}
+KILLED = {1, 3}  # mutmut's exit codes (mutmut.stats.status_by_exit_code)
+SURVIVED = {0}
+TIMEOUT = {36, -24, 24, 152, 255}
+
+
+def project_config() -> configparser.ConfigParser:
+    """setup.cfg, checked: its [mutmut] lists exactly the modules and test files of GROUPS."""
+    cfg = configparser.ConfigParser(interpolation=None)
+    cfg.read(REPO / "setup.cfg")
+    modules = {f"hpcrl/{m}.py" for ms, _ in GROUPS.values() for m in ms}
+    tests = {f"tests/{t}.py" for _, ts in GROUPS.values() for t in ts}
+    if set(cfg["mutmut"]["only_mutate"].split()) != modules or \
+            set(cfg["mutmut"]["pytest_add_cli_args_test_selection"].split()) != tests:
+        raise SystemExit("mutate: setup.cfg [mutmut] only_mutate / pytest_add_cli_args_test_selection differ "
+                         "from tools/mutate.py GROUPS")
+    return cfg
+
+
+def scratch(group: str, cfg: configparser.ConfigParser) -> Path:
+    """A fresh mutants/<group>/ with the group's [mutmut] config."""
+    modules, tests = GROUPS[group]
+    root = REPO / "mutants" / group
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    for name in LINKED:
+        (root / name).symlink_to(REPO / name)
+    cfg["mutmut"]["only_mutate"] = "".join(f"\nhpcrl/{m}.py" for m in modules)
+    cfg["mutmut"]["pytest_add_cli_args_test_selection"] = "".join(f"\ntests/{t}.py" for t in tests)
+    with open(root / "setup.cfg", "w") as f:
+        cfg.write(f)
+    return root
+
+
+def counts(root: Path, module: str) -> tuple[dict[str, int], list[str]]:
+    """Mutants, killed, survived, timeout and score of one module; the names of its survivors."""
+    meta = json.loads((root / "mutants" / "hpcrl" / f"{module}.py.meta").read_text())["exit_code_by_key"]
+    codes = list(meta.values())
+    row = {"mutants": len(codes), "killed": sum(c in KILLED for c in codes),
+           "survived": sum(c in SURVIVED for c in codes), "timeout": sum(c in TIMEOUT for c in codes)}
+    row["other"] = row["mutants"] - row["killed"] - row["survived"] - row["timeout"]
+    return row, sorted(k for k, c in meta.items() if c in SURVIVED)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("groups", nargs="*", metavar="GROUP", help="groups to run (default: all): " + ", ".join(GROUPS))
+    parser.add_argument("--list", action="store_true", help="print the groups and exit")
+    parser.add_argument("--diffs", action="store_true", help="print the diff of every surviving mutant")
+    parser.add_argument("--max-children", type=int, default=os.cpu_count() or 1, help="mutants tested at once")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.groups) - set(GROUPS))
+    if unknown:
+        parser.error(f"unknown group(s) {', '.join(unknown)}; known: {', '.join(GROUPS)}")
+    if args.list:
+        for name, (modules, tests) in GROUPS.items():
+            print(f"{name:18} {', '.join(modules):36} {', '.join(tests)}")
+        return 0
+    cfg = project_config()
+    mutmut = Path(sys.executable).with_name("mutmut")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.setdefault("HPCRL_TINY_TASK_DIR", str(REPO / ".cache" / "tiny-addition"))
+    rows: list[tuple[str, dict[str, int]]] = []
+    survivors: list[tuple[Path, str]] = []
+    start = time.monotonic()
+    for group in args.groups or list(GROUPS):
+        root = scratch(group, cfg)
+        t0 = time.monotonic()
+        print(f"== {group}: {', '.join(GROUPS[group][0])} against {', '.join(GROUPS[group][1])}", flush=True)
+        run = subprocess.run([str(mutmut), "run", "--max-children", str(args.max_children)], cwd=root, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        tail = run.stdout.strip().splitlines()[-3:]
+        print(f"   {time.monotonic() - t0:.0f} s; " + " | ".join(line.strip() for line in tail), flush=True)
+        if run.returncode:
+            print(run.stdout[-4000:], file=sys.stderr)
+            print(f"mutate: mutmut failed in group {group} (exit {run.returncode})", file=sys.stderr)
+            return 1
+        for module in GROUPS[group][0]:
+            row, names = counts(root, module)
+            rows.append((f"hpcrl/{module}.py", row))
+            survivors += [(root, name) for name in names]
+    print(f"\nwall time {time.monotonic() - start:.0f} s\n")
+    print(f"{'module':28} {'mutants':>7} {'killed':>7} {'survived':>8} {'timeout':>7} {'other':>5} {'score':>6}")
+    for module, r in rows:
+        score = (r["killed"] + r["timeout"]) / max(r["mutants"], 1)
+        print(f"{module:28} {r['mutants']:7} {r['killed']:7} {r['survived']:8} {r['timeout']:7} {r['other']:5} "
+              f"{score:6.1%}")
+    print(f"\n{len(survivors)} surviving mutants" + (":" if survivors else ""))
+    for root, name in survivors:
+        if args.diffs:
+            shown = subprocess.run([str(mutmut), "show", name], cwd=root, env=env, capture_output=True, text=True)
+            print(shown.stdout.rstrip() or shown.stderr.rstrip())
+        else:
+            print(f"  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
