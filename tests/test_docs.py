@@ -1,4 +1,4 @@
-"""The documentation: docs/configuration.md is generated from the config schema."""
+"""The documentation: docs/configuration.md is generated from the config schema, and links resolve."""
 
 import re
 import subprocess
@@ -30,3 +30,15 @@ def test_markdown_reference_has_every_key_of_the_toml_reference():
             key = line.split(" = ")[0]
             assert f"| `{section}.{key}` |" in page
 
+
+
+def _relative_links(text: str) -> list[str]:
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    return [link.split("#")[0] for link in links if not re.match(r"[a-z]+:|#", link)]
+
+
+def test_relative_links_in_readme_and_docs_point_at_files():
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    broken = [f"{page.relative_to(REPO)}: {link}" for page in pages for link in _relative_links(page.read_text())
+              if not (page.parent / link).exists()]
+    assert not broken, f"links to missing files: {broken}"
