@@ -112,7 +112,7 @@ class RewardModelConfig(Section):
 
 
 class RewardHttpConfig(Section):
-    url: str = Field("", description="Reward service that scores batches of samples as component `http` (README: HTTP reward protocol); empty: none.")
+    url: str = Field("", description="Reward service that scores batches of samples as component `http` (docs/data-and-rewards.md: the HTTP protocol); empty: none.")
     weight: float = Field(1.0, description="Weight of the service's score in the reward.")
     batch_size: int = Field(32, ge=1, description="Samples per request.")
     concurrency: int = Field(4, ge=1, description="Requests in flight at once.")
