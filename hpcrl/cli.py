@@ -216,6 +216,11 @@ def status(run_dir: Path, verify: bool) -> None:
         click.echo(f"{k:>6}  " + "  ".join(f"{c:<12}" for c in cells) + f"  {reward:<7}  {val}")
     nxt = plan.next_stage(run, exp)
     click.echo("complete" if nxt is None else f"next: iteration {nxt[0]} {nxt[1]}")
+    stop = run.read_run_info().get("stopped")
+    if stop and nxt is not None:
+        where = "the resident job" if stop["stage"] == "resident" else f"stage {stop['stage']}"
+        click.echo(f"STOPPED at {stop['at']}: {where} of iteration {stop['iteration']} failed: {stop['reason']} "
+                   f"(log: {stop['log']}); fix the cause, then `hpcrl resume {run.root}`")
     if exp.executor.kind == "slurm" and run.jobs():
         from hpcrl.slurm import job_table
 

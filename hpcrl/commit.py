@@ -145,11 +145,19 @@ def commit(stage_dir: Path, writer: StageWriter, manifest: dict) -> dict:
 
 
 def verify(stage_dir: Path) -> list[str]:
-    """Problems with a committed output (missing or changed files), empty when it is sound."""
+    """Problems with a committed output (missing or changed files, or inputs that are not the
+    committed outputs it was computed from), empty when it is sound."""
     manifest = read_manifest(stage_dir)
     if manifest is None:
         return [f"{stage_dir}: not committed (no {MANIFEST})"]
     problems = []
+    for name, digest in manifest.get("inputs", {}).items():  # "generate@iter_000003": digest of its manifest
+        stage, iteration_dir = name.split("@", 1)
+        source = stage_dir.parent.parent / iteration_dir / stage
+        if not is_committed(source):
+            problems.append(f"{stage_dir}: its input {source} is not committed")
+        elif manifest_digest(source) != digest:
+            problems.append(f"{stage_dir}: computed from another {source} than the one committed there now")
     for rel, meta in manifest["files"].items():
         path = stage_dir / rel
         if not path.is_file():

@@ -7,6 +7,7 @@ progress, retries failed stages, and feeds MLflow from the committed manifests.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -23,6 +24,19 @@ SHORT = {"generate": "gen", "score": "score", "update": "update"}
 
 class StageFailedError(RuntimeError):
     pass
+
+
+# Errors a retry cannot cure: the same inputs give the same failure (non-finite values, a reward
+# that is not a number, bad input). A stage failing with one stops the run at once.
+DETERMINISTIC = ("FloatingPointError", "RewardValueError", "ConfigError", "SchemaError", "DatasetError",
+                 "CorruptOutputError", "WeightSyncError")
+_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$")
+
+
+def failure_reason(stderr_tail: str) -> tuple[str, str] | None:
+    """(error type, message) of the last exception line in a job's stderr, if any."""
+    found = [m for line in stderr_tail.splitlines() if (m := _ERROR_LINE.match(line.strip()))]
+    return (found[-1].group(1), found[-1].group(2)) if found else None
 
 
 def iteration_line(exp: Experiment, run: RunDir, k: int) -> str:
@@ -92,6 +106,7 @@ class Controller:
             tracker = Tracker(self.run, self.exp)
             executor = executors.make(self.run, self.exp)
             status = "FAILED"
+            self.run.record_stop(None)  # a new attempt at the run
             for moved in self.run.rollback():
                 self.echo(f"moved aside {moved.name}: it depends on a policy version that was not saved "
                           "(executor.checkpoint_every); the run continues from the last saved version")
@@ -177,11 +192,16 @@ class Controller:
         _, err = job.log_paths()
         what = (f"the resident job stopped at iteration {job.iteration}" if job.stage == "resident"
                 else f"stage {job.stage} of iteration {job.iteration} failed")
+        tail = job.stderr_tail()
+        reason = failure_reason(tail)
         msg = (f"{what} (job {job.job_id}, attempt "
-               f"{failures[key]}/{attempts}{job.where()}); log: {err}\n--- last lines of stderr ---\n"
-               f"{job.stderr_tail()}")
-        if failures[key] >= attempts:
-            raise StageFailedError(msg)
+               f"{failures[key]}/{attempts}{job.where()}); log: {err}\n--- last lines of stderr ---\n{tail}")
+        deterministic = reason is not None and reason[0] in DETERMINISTIC
+        if failures[key] >= attempts or deterministic:
+            self.run.record_stop({"iteration": job.iteration, "stage": job.stage, "job_id": job.job_id, "log": str(err),
+                                  "reason": f"{reason[0]}: {reason[1]}" if reason else "see the log"})
+            raise StageFailedError(msg + (f"\nnot retried: {reason[0]} is not cured by a retry" if deterministic
+                                          and failures[key] < attempts else ""))
         self.echo(msg + "\nretrying")
 
     def _after_commit(self, tracker: Tracker, k: int, stage: str) -> None:

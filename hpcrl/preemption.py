@@ -91,4 +91,7 @@ def load_progress(engines: dict, stage_dir: Path) -> dict | None:
         path, _ = engine.load_checkpoint(str(d / name), tag=trainer.DS_TAG)
         if path is None:
             raise RuntimeError(f"{d}: progress without the DeepSpeed state of the {name}")
-    return torch.load(d / PROGRESS, weights_only=False)
+    from hpcrl.kl_control import KLControl
+
+    with torch.serialization.safe_globals([KLControl]):  # tensors, containers and this record: nothing else unpickles
+        return torch.load(d / PROGRESS, weights_only=True)

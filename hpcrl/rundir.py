@@ -133,6 +133,19 @@ class RunDir:
         tmp.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, self.run_file)
 
+    def record_stop(self, stop: dict | None) -> None:
+        """Why the run stopped (run.json "stopped"; None clears it when a controller starts again)."""
+        info = self.read_run_info()
+        if stop is None and "stopped" not in info:
+            return
+        if stop is None:
+            info.pop("stopped")
+        else:
+            import datetime
+
+            info["stopped"] = {"at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), **stop}
+        self.write_run_info(info)
+
     @property
     def jobs_file(self) -> Path:
         return self.root / "jobs.jsonl"

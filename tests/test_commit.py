@@ -240,3 +240,30 @@ def test_a_failed_open_stage_releases_its_lock_and_commits_nothing(tmp_path):
     retry = OpenStage("score", root, 0, startup=0.0)
     retry.run(lambda ctx: ctx.writer.write_table("scores", _scores()))
     assert retry.commit()["tables"]["scores"]["rows"] == 3
+
+
+def test_verify_names_an_input_that_is_not_the_one_a_stage_was_computed_from(tmp_path):
+    """Pins: the input digests a stage records were never checked. A generate output replaced
+    after its score was committed makes the score's lineage wrong, and verify says so."""
+    from hpcrl.stage import run_stage
+    from tests.synthetic_run import write_config
+
+    root = tmp_path / "r"
+    write_config(root, 1)
+    gen = root / "iter_000000" / "generate"
+    _commit(gen, _scores())  # any committed output serves as the input here
+
+    def body(ctx):
+        ctx.input_dir("generate")
+        ctx.writer.write_table("scores", _scores())
+
+    run_stage("score", root, 0, body, startup=0.0)
+    score = root / "iter_000000" / "score"
+    assert commit.verify(score) == []
+    (gen / commit.MANIFEST).rename(tmp_path / "moved")
+    assert commit.verify(score) == [f"{score}: its input {gen} is not committed"]
+    import shutil
+
+    shutil.rmtree(gen)
+    _commit(gen, _scores(4))
+    assert commit.verify(score) == [f"{score}: computed from another {gen} than the one committed there now"]
