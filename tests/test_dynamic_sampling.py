@@ -148,3 +148,17 @@ def test_config_keys_and_the_note_on_scoring_twice(write_experiment):
     assert preflight.check(http, "e.toml") == [
         "algorithm.dynamic_sampling: the generate stage scores training samples to choose the batch and the score "
         "stage scores them again: the HTTP reward service receives every training sample twice"]
+
+
+def test_metrics_refuse_flags_that_do_not_line_up():
+    """pins: metrics() zips the all-equal flags and the kept flags strictly (a short list is an error,
+    not a silently shorter count)."""
+    with pytest.raises(ValueError):
+        ds.metrics([True, False, True], [True, False], rounds=1)
+
+
+def test_a_repeated_draw_names_at_most_five_prompts():
+    """pins: the error lists the first five prompts drawn again (`again[:5]`), sorted."""
+    draws = [[9, 8, 7, 6, 5, 4, 3], [3, 4, 5, 6, 7, 8, 9]]
+    with pytest.raises(ValueError, match=r"sampling round 1 drew prompts \[3, 4, 5, 6, 7\] of an earlier"):
+        ds.sample_in_rounds(1, 3, lambda r: draws[r], _fake_round, lambda t: [0.0] * t.num_rows)

@@ -34,6 +34,8 @@ def test_validation_every_n_iterations_and_at_the_end():
     assert not any(plan.validates(_exp(5, 2, test=""), k) for k in range(7))
     assert plan.all_stages(_exp(5, 2, test="")) == [(k, s) for k in range(5) for s in TRAIN]
     assert plan.stages_of(_exp(5, 2, test=""), 5) == ()
+    # iteration 6 would validate by eval_every but lies beyond the run: all_stages stops at N
+    assert plan.all_stages(_exp(5, 2))[-3:] == [(4, "update"), (5, "generate"), (5, "score")]
 
 
 def test_pending_and_next_stage_follow_the_commits(tmp_path):

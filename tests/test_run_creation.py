@@ -1,0 +1,81 @@
+"""Creating a run directory and resuming it (hpcrl.runs): what run.json and the frozen config hold,
+which resubmissions are accepted, and the code version recorded."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpcrl import config, runs
+from hpcrl.config import ConfigError, Experiment
+
+
+def _exp(tmp_path: Path, **run) -> Experiment:
+    return Experiment(run={"name": "r", "runs_root": str(tmp_path), "iterations": 2, **run},
+                      model={"path": str(tmp_path / "m")}, data={"train": str(tmp_path / "train.parquet")})
+
+
+def test_a_new_run_records_who_what_and_when(tmp_path):
+    """pins: the keys and values of run.json, the header of the frozen config, a UTC timestamp."""
+    exp = _exp(tmp_path)
+    (tmp_path / "r").mkdir()  # an existing empty directory is fine
+    run, resumed = runs.prepare(exp, "sub/e.toml")
+    assert not resumed
+    info = json.loads(run.run_file.read_text())
+    assert set(info) == {"run_id", "name", "created", "code_version", "user", "source"}
+    assert re.fullmatch(r"[0-9a-f]{32}", info["run_id"]) and info["name"] == "r"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", info["created"])
+    assert info["user"] == getpass.getuser() and info["source"] == str(Path("sub/e.toml").resolve())
+    assert info["code_version"]
+    text = run.config_path.read_text()
+    assert text.startswith("# Frozen, fully resolved config of this run (written by hpcrl).\n")
+    assert config.load(run.config_path) == exp
+    assert sorted(p.name for p in run.root.iterdir()) == ["experiment.toml", "run.json"]
+
+
+def test_resubmissions_same_or_equal_length_or_refused(tmp_path):
+    """pins: the same iterations may resume (`<`, not `<=`); a resumable change at the same length does
+    not move the last iteration aside (`>`, not `>=`); refused keys are listed one per line."""
+    exp = _exp(tmp_path)
+    run, _ = runs.prepare(exp, "e.toml")
+    last = run.iteration_dir(2) / "generate"
+    last.mkdir(parents=True)
+    run2, resumed = runs.prepare(config.with_overrides(exp, {"executor.max_retries": 3}, "e.toml"), "e.toml")
+    assert resumed and last.is_dir()
+    assert run2.read_run_info()["config_changes"][0]["keys"] == {"executor.max_retries": 3}
+    assert set(run2.read_run_info()["config_changes"][0]) == {"at", "keys"}
+    changed = config.with_overrides(exp, {"update.lr": 0.5, "update.weight_decay": 0.25}, "e.toml")
+    with pytest.raises(ConfigError) as err:
+        runs.prepare(changed, "e.toml")
+    assert "these keys may not change on resume (use another run.name for a new run):\n  update.lr: run has " \
+        "1e-05, config has 0.5\n  update.weight_decay: run has 0.0, config has 0.25" in str(err.value)
+
+
+def test_code_version_is_git_describe_or_unknown(monkeypatch):
+    """pins: `git -C <package dir> describe --always --dirty` with a 5 s timeout; "unknown" when git
+    prints nothing or cannot run."""
+    here = str(Path(runs.__file__).resolve().parent)
+    expected = subprocess.run(["git", "-C", here, "describe", "--always", "--dirty"], capture_output=True,
+                              text=True).stdout.strip() or "unknown"
+    assert runs.code_version() == expected
+    calls = []
+
+    def fake(args, **kwargs):
+        calls.append((args, kwargs))
+        return subprocess.CompletedProcess(args, 0, stdout="  \n", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake)
+    assert runs.code_version() == "unknown"
+    assert calls == [(["git", "-C", here, "describe", "--always", "--dirty"],
+                      {"capture_output": True, "text": True, "timeout": 5})]
+
+    def broken(args, **kwargs):
+        raise OSError("no git")
+
+    monkeypatch.setattr(subprocess, "run", broken)
+    assert runs.code_version() == "unknown"
