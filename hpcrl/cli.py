@@ -265,7 +265,10 @@ def ui(runs_root: Path, port: int) -> None:
               help="The reference as Markdown, one table per section (docs/configuration.md is this output).")
 def config_reference(markdown: bool) -> None:
     """Print every experiment.toml key with its default and meaning."""
-    click.echo(config.reference_markdown() if markdown else config.reference(), nl=not markdown)
+    from hpcrl import config_reference
+
+    click.echo(config_reference.reference_markdown() if markdown else config_reference.reference(),
+               nl=not markdown)
 
 
 # ---- debugging a run: inspect, plot, export (hpcrl/inspection.py, plots.py, export.py) -------------

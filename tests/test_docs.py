@@ -18,11 +18,11 @@ def test_configuration_md_is_generated_from_the_schema():
 
 
 def test_markdown_reference_has_every_key_of_the_toml_reference():
-    from hpcrl import config
+    from hpcrl import config_reference
 
-    page = config.reference_markdown()
+    page = config_reference.reference_markdown()
     section = ""
-    for line in config.reference().splitlines():
+    for line in config_reference.reference().splitlines():
         if line.startswith("["):
             section = line.strip("[]")
             assert f"## [{section}]" in page
