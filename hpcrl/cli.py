@@ -43,28 +43,26 @@ def _drive(run: RunDir, exp: config.Experiment) -> None:
         click.echo(line)
 
 
-def _checked(experiment: Path, sets: tuple[str, ...] = ()):
-    """The experiment with its overrides, checked (config, data, model, rewards, and against its
-    run when that exists) without writing anything. Returns (exp, run, frozen config or None)."""
-    from hpcrl import preflight, runs
+def _validated(experiment: Path, sets: tuple[str, ...]) -> config.Experiment:
+    """The experiment with its overrides, checked (config, data, model, rewards) before any run exists."""
+    from hpcrl import preflight
 
     try:
         exp = config.load(experiment)
         if sets:
             exp = config.with_overrides(exp, config.parse_assignments(sets), f"{experiment} with --set")
         notes = preflight.check(exp, str(experiment))
-        run, frozen = runs.check(exp, str(experiment))
     except ConfigError as err:
         _fail(str(err))
     for note in notes:
         click.echo(f"note: {note}", err=True)
-    return exp, run, frozen
+    return exp
 
 
 def _prepare(experiment: Path, sets: tuple[str, ...] = ()):
     from hpcrl import runs
 
-    exp, _, _ = _checked(experiment, sets)
+    exp = _validated(experiment, sets)
     try:
         run, resumed = runs.prepare(exp, str(experiment))
     except ConfigError as err:
@@ -104,9 +102,13 @@ def submit(experiment: Path, foreground: bool, dry_run: bool, sets: tuple[str, .
 
 
 def _dry_run(experiment: Path, sets: tuple[str, ...]) -> None:
-    from hpcrl import sbatch
+    from hpcrl import runs, sbatch
 
-    exp, run, frozen = _checked(experiment, sets)
+    exp = _validated(experiment, sets)
+    try:
+        run, frozen = runs.check(exp, str(experiment))  # read-only: the run is left as it is
+    except ConfigError as err:
+        _fail(str(err))
     out = Path(exp.run.runs_root).resolve() / "dry-runs" / exp.run.name
     try:
         paths = sbatch.write_all(run, exp, out)

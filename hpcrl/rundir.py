@@ -17,6 +17,7 @@ version: stages committed after it are moved aside (`rollback`), never overwritt
 
 from __future__ import annotations
 
+import datetime
 import fcntl
 import json
 import os
@@ -141,8 +142,6 @@ class RunDir:
         if stop is None:
             info.pop("stopped")
         else:
-            import datetime
-
             info["stopped"] = {"at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), **stop}
         self.write_run_info(info)
 
