@@ -1,4 +1,5 @@
-"""The update's micro-batches: how rows become tensors, and how a model's per-token outputs
+"""The update batch (`Samples`, the kept training rows with their rewards) and its micro-batches:
+how rows become tensors, and how a model's per-token outputs
 (logits, values) for their response tokens are computed.
 
 A micro-batch comes in one of two layouts, and the code that uses it does not need to know which:
@@ -18,12 +19,45 @@ A micro-batch comes in one of two layouts, and the code that uses it does not ne
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+import pyarrow as pa
 import torch
 
-if TYPE_CHECKING:
-    from hpcrl.trainer import Samples
+from hpcrl.schemas import SAMPLE_KEYS
+
+
+@dataclass
+class Samples:
+    """The training samples of one iteration, in a fixed order."""
+
+    keys: pa.Table  # SAMPLE_KEYS columns
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    sampler_logprobs: list[list[float]]
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+
+def load_samples(rollouts: pa.Table, scores: pa.Table) -> Samples:
+    """The update batch: the `kept` training rows of the rollouts with their rewards (rows must
+    line up key by key). Rollouts of schema v1 have no `kept`: every training row is kept."""
+    if rollouts.select(list(SAMPLE_KEYS)) != scores.select(list(SAMPLE_KEYS)):
+        raise ValueError("score rows do not line up with the rollouts (keys differ)")
+    batch = pa.compute.equal(rollouts["split"], "train")
+    if "kept" in rollouts.column_names:
+        batch = pa.compute.and_(batch, rollouts["kept"])
+    train, s = rollouts.filter(batch), scores.filter(batch)
+    return Samples(
+        keys=train.select(list(SAMPLE_KEYS)),
+        prompt_ids=train["prompt_ids"].to_pylist(),
+        response_ids=train["response_ids"].to_pylist(),
+        sampler_logprobs=train["logprobs"].to_pylist(),
+        rewards=torch.tensor(s["reward"].to_numpy(), dtype=torch.float64),
+        group_ids=torch.tensor(train["prompt_index"].to_numpy()),
+    )
 
 
 @dataclass

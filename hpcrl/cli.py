@@ -12,6 +12,7 @@ import click
 from hpcrl import commit, config, plan
 from hpcrl.config import ConfigError
 from hpcrl.rundir import RunDir, RunLockedError
+from hpcrl.stage_kinds import ORDER
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -121,7 +122,7 @@ def _dry_run(experiment: Path, sets: tuple[str, ...]) -> None:
 
 @main.command("sbatch")
 @click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--stage", type=click.Choice(["generate", "score", "update", "resident"]), help="A stage script (or the resident job's) instead of the controller's.")
+@click.option("--stage", type=click.Choice([*ORDER, "resident"]), help="A stage script (or the resident job's) instead of the controller's.")
 @click.option("--iteration", type=int, default=0, show_default=True)
 def sbatch_cmd(experiment: Path, stage: str | None, iteration: int) -> None:
     """Print the exact sbatch script of the controller or of one stage, to submit by hand: creates
@@ -131,7 +132,7 @@ def sbatch_cmd(experiment: Path, stage: str | None, iteration: int) -> None:
     exp, run, _ = _prepare(experiment)
     run.logs.mkdir(exist_ok=True)  # the script's --output folder must exist at submission
     try:
-        k = iteration if stage in ("generate", "score", "update") else None
+        k = iteration if stage in ORDER else None
         click.echo(sbatch.render(run, exp, stage or "controller", k), nl=False)
     except ConfigError as err:
         _fail(str(err))
@@ -198,7 +199,7 @@ def status(run_dir: Path, verify: bool) -> None:
         run, exp = runs.open_run(run_dir)
     except ConfigError as err:
         _fail(str(err))
-    stages = ("generate", "score", "update")
+    stages = ORDER
     click.echo(f"{'iter':>6}  " + "  ".join(f"{s:<12}" for s in stages) + "  reward   val")
     problems = []
     for k in range(exp.run.iterations + 1):
@@ -344,7 +345,7 @@ def export(run_dir: Path, version: int, dest: Path) -> None:
 @main.command()
 @click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--iteration", type=int, required=True)
-@click.option("--stage", type=click.Choice(["generate", "score", "update"]), required=True)
+@click.option("--stage", type=click.Choice(ORDER), required=True)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Override a config key for the replay (TOML value, e.g. algorithm.clip_ratio=0.1).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Replay directory (default: under <runs_root>/replays/).")

@@ -17,9 +17,8 @@ import submitit
 from hpcrl import commit, executors, plan
 from hpcrl.config import Experiment
 from hpcrl.rundir import RunDir, RunLock
+from hpcrl.stage_kinds import GENERATE, KINDS, SCORE, UPDATE
 from hpcrl.tracking import Tracker, stage_metrics
-
-SHORT = {"generate": "gen", "score": "score", "update": "update"}
 
 
 class StageFailedError(RuntimeError):
@@ -50,13 +49,13 @@ def iteration_line(exp: Experiment, run: RunDir, k: int) -> str:
     for label, key, fmt in (("reward", "critic/score/mean", ".3f"), ("val", "val/score", ".3f"),
                             ("kl", kl_key, ".2e"), ("len", "response_length/mean", ".1f")):
         parts.append(f"{label} {format(metrics[key], fmt)}" if key in metrics else f"{label} -")
-    times = "  ".join(f"{SHORT[s]} {m['timings']['total']:.1f}s" for s, m in manifests.items() if m)
+    times = "  ".join(f"{KINDS[s].short} {m['timings']['total']:.1f}s" for s, m in manifests.items() if m)
     return "  ".join(parts) + "  | " + times
 
 
 def summary(exp: Experiment, run: RunDir) -> str:
     """How the reward and the validation score (and PPO's explained variance) moved over the run."""
-    def series(key: str, stage: str = "score") -> list[float]:
+    def series(key: str, stage: str = SCORE) -> list[float]:
         values = []
         for k, s in plan.all_stages(exp):
             m = commit.read_manifest(run.stage_dir(k, s)) if s == stage else None
@@ -65,7 +64,7 @@ def summary(exp: Experiment, run: RunDir) -> str:
         return values
 
     reward, val = series("critic/score/mean"), series("val/score")
-    ev = [x for x in series("critic/explained_variance", "update") if x == x]  # NaN: the returns did not vary
+    ev = [x for x in series("critic/explained_variance", UPDATE) if x == x]  # NaN: the returns did not vary
     parts = []
     if reward:
         last = reward[-3:]
@@ -213,9 +212,9 @@ class Controller:
             metrics, tags = lineage(str(manifest["job_id"]), stage)
             tracker.log_metrics(metrics, step=k)
             tracker.set_tags(tags)
-        if stage == "update":
+        if stage == UPDATE:
             self.run.publish_policy(k + 1)
-        if stage == "score":
+        if stage == SCORE:
             tracker.log_table(sample_rows(self.run, k), f"samples/iter_{k:06d}.json")
         if stage == plan.stages_of(self.exp, k)[-1]:
             self.echo(iteration_line(self.exp, self.run, k))
@@ -249,8 +248,8 @@ def submit_controller(run: RunDir, exp: Experiment) -> str:
 
 def sample_rows(run: RunDir, k: int, limit: int = 16) -> list[dict]:
     """A few scored generations of an iteration, for a look in the MLflow UI."""
-    rollouts = commit.read_table(run.stage_dir(k, "generate"), "rollouts",
+    rollouts = commit.read_table(run.stage_dir(k, GENERATE), "rollouts",
                                  columns=["split", "prompt_index", "sample_index", "prompt_text", "response_text"])
-    scores = commit.read_table(run.stage_dir(k, "score"), "scores", columns=["reward"])
+    scores = commit.read_table(run.stage_dir(k, SCORE), "scores", columns=["reward"])
     rows = rollouts.append_column("reward", scores["reward"]).slice(0, limit).to_pylist()
     return rows

@@ -74,7 +74,7 @@ class Critic:
                                           "critic")
 
     @torch.no_grad()
-    def values_of(self, samples: trainer.Samples, rows: list[int]) -> dict[int, list[float]]:
+    def values_of(self, samples: batches.Samples, rows: list[int]) -> dict[int, list[float]]:
         """Values at the response tokens of `rows` (all ranks together, gathered)."""
         self.engine.eval()
         out = {}
@@ -84,9 +84,9 @@ class Critic:
             values = batches.response_outputs(self.engine, mb, "values")
             for i, v in zip(mb.index.tolist(), batches.response_values(values, mb), strict=True):
                 out[i] = v
-        return trainer._all_gather_rows(out)
+        return trainer.all_gather_rows(out)
 
-    def train_step(self, samples: trainer.Samples, mini: list[int], old_values: dict, returns: dict) -> dict[str, float]:
+    def train_step(self, samples: batches.Samples, mini: list[int], old_values: dict, returns: dict) -> dict[str, float]:
         """One optimizer step of the critic on one mini-batch; its statistics (global token means)."""
         a, u = self.exp.algorithm, self.exp.update
         self.engine.train()
@@ -107,7 +107,7 @@ class Critic:
             sums["vf_loss"] += out.loss.item()
             sums["vf_clipfrac"] += out.clipfrac.item() * float(mb.mask.sum()) / n_tokens
             grad_norm = trainer.engine_step(self.engine)
-        stats = dict(zip(STAT_NAMES, trainer._all_sum([sums[k] for k in STAT_NAMES]), strict=True))
+        stats = dict(zip(STAT_NAMES, trainer.all_sum([sums[k] for k in STAT_NAMES]), strict=True))
         stats["vf_grad_norm"] = grad_norm
         return stats
 

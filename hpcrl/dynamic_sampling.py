@@ -24,7 +24,7 @@ paper samples until the batch is full. Raise max_sampling_rounds to come closer 
 
 Stage contracts: the generate stage commits every group it sampled, each row with `round` (the
 round that drew it) and `kept` (the update trains on it); the score stage scores every row as
-without dynamic sampling, so nothing is hidden; the update (hpcrl.trainer.load_samples) takes the
+without dynamic sampling, so nothing is hidden; the update (hpcrl.batches.load_samples) takes the
 kept rows only. Metrics of the generate manifest: dapo/rounds, dapo/generated_groups, and a
 partition of the generated groups into dapo/kept_groups (informative, in the batch),
 dapo/padded_groups (all-equal, filling the batch), dapo/dropped_all_equal (all-equal, left out)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import submitit
 
+from hpcrl import stage_kinds
 from hpcrl.config import Experiment
 from hpcrl.distributed import free_port
 from hpcrl.rundir import RunDir
@@ -41,8 +42,7 @@ def slurm_parameters(exp: Experiment, role: str, run_name: str) -> dict:
     The one source of a job's resources: the Slurm executor and `hpcrl sbatch` both use it.
     """
     r = getattr(exp.executor, role)
-    tasks = {"update": exp.update.world_size // r.nodes,
-             "resident": (exp.update.world_size + 1) // r.nodes}.get(role, 1)
+    tasks = tasks_for(exp, role) // r.nodes if role != "controller" else 1
     params: dict = {"job_name": f"hpcrl-{run_name}-{role}", "nodes": r.nodes, "ntasks_per_node": tasks,
                     "cpus_per_task": r.cpus_per_task, "time": r.time_min,
                     "additional_parameters": {"requeue": True, **r.extra}}
@@ -56,12 +56,12 @@ def slurm_parameters(exp: Experiment, role: str, run_name: str) -> dict:
     return params
 
 
-def stage_module(stage: str) -> str:
-    return f"stages.{stage}"
-
-
 def tasks_for(exp: Experiment, stage: str) -> int:
-    return {"update": exp.update.world_size, "resident": exp.update.world_size + 1}.get(stage, 1)
+    """Tasks of a stage's job: one per trainer rank for a kind that runs on them, one otherwise;
+    the resident job: the trainers and the generator."""
+    if stage == "resident":
+        return exp.update.world_size + 1
+    return exp.update.world_size if stage_kinds.kind(stage).on_trainers else 1
 
 
 def _call(run: RunDir, stage: str, iteration: int | None):
@@ -70,7 +70,7 @@ def _call(run: RunDir, stage: str, iteration: int | None):
         from hpcrl.resident import ResidentCall
 
         return ResidentCall(str(run.root))
-    return StageCall(stage_module(stage), str(run.root), iteration)
+    return StageCall(stage_kinds.kind(stage).module, str(run.root), iteration)
 
 
 @dataclass

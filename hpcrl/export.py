@@ -19,6 +19,7 @@ from pathlib import Path
 from hpcrl import commit
 from hpcrl.config import Experiment
 from hpcrl.rundir import RunDir
+from hpcrl.stage_kinds import UPDATE
 
 PROVENANCE = "hpcrl_export.json"
 
@@ -36,7 +37,7 @@ def _policy_files(run: RunDir, exp: Experiment, version: int) -> tuple[dict[str,
         files = {str(p.relative_to(base)): (p, None) for p in sorted(base.rglob("*"))
                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(base).parts)}
         return files, f"model.path {base}"
-    stage = run.stage_dir(version - 1, "update")
+    stage = run.stage_dir(version - 1, UPDATE)
     try:
         manifest = commit.read_manifest(stage)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:

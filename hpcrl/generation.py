@@ -18,6 +18,8 @@ import pyarrow as pa
 
 from hpcrl import data, dynamic_sampling, plan, scoring
 from hpcrl.config import Experiment
+from hpcrl.stage import Stage, StageContext
+from hpcrl.stage_kinds import GENERATE, UPDATE
 
 
 def on_gpu() -> bool:
@@ -146,7 +148,7 @@ def generate(ctx, llm, version: int, pool=None, await_policy: Callable[[], None]
     if version != k:
         raise RuntimeError(f"generate of iteration {k} needs policy version {k}, the engine holds {version}")
     if version > 0 and await_policy is None:
-        ctx.input_dir("update", k - 1)
+        ctx.input_dir(UPDATE, k - 1)
     ctx.policy_version = version
     tokenizer = llm.get_tokenizer()
     with ctx.timed("io"):
@@ -185,10 +187,39 @@ def generate(ctx, llm, version: int, pool=None, await_policy: Callable[[], None]
     if version > 0 and await_policy is not None:
         with ctx.timed("wait"):
             await_policy()
-        ctx.input_dir("update", k - 1)
+        ctx.input_dir(UPDATE, k - 1)
     with ctx.timed("io"):
         ctx.writer.write_table("rollouts", rollouts)
     ctx.writer.metrics.update(rollout_metrics(rollouts, ctx.timings["compute"]))
+
+
+class GenerateStage(Stage):
+    """The generate stage: a vLLM engine over the current policy, sampling the iteration's prompts.
+
+    In the resident mode the engine stays up for the run (with the weight receiver of
+    hpcrl.vllm_ext) and the loop sets, before each run, `pool` (the reward workers, for dynamic
+    sampling), `await_policy` (see `generate`) and `metrics` (the last weight sync's)."""
+
+    name = GENERATE
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.llm, self.version, self.pool = None, 0, None
+        self.await_policy: Callable[[], None] | None = None
+        self.metrics: dict[str, float] = {}
+
+    def startup(self) -> None:
+        configure_env(self.exp)
+        import vllm  # noqa: F401  (its import cost is process start-up, not model loading)
+
+    def setup(self, version: int, seed: int) -> None:
+        extension = "hpcrl.vllm_ext.WeightReceiver" if self.resident else None
+        self.llm = make_engine(self.exp, self.rundir.policy_dir(version, self.exp.model.path), seed, extension)
+        self.version = version
+
+    def run(self, ctx: StageContext) -> None:
+        generate(ctx, self.llm, self.version, self.pool, self.await_policy)
+        ctx.writer.metrics.update(self.metrics)
 
 
 def rollout_metrics(rollouts: pa.Table, compute_s: float) -> dict[str, float]:

@@ -17,14 +17,15 @@ import polars as pl
 
 from hpcrl import commit
 from hpcrl.config import Experiment
-from hpcrl.rundir import STAGES, RunDir
+from hpcrl.rundir import RunDir
 from hpcrl.schemas import SAMPLE_KEYS
+from hpcrl.stage_kinds import GENERATE, KINDS, ORDER, SCORE
 
 # (manifest metric, short header, format) of the per-iteration table, in order.
 METRICS = (("critic/score/mean", "reward", ".3f"), ("val/score", "val", ".3f"), ("actor/ppo_kl", "kl", ".2e"),
            ("actor/kl_loss", "kl_loss", ".2e"), ("actor/pg_clipfrac", "clipfrac", ".3f"),
            ("response_length/mean", "len", ".1f"))
-TIMINGS = tuple((f"timing_s/{s}", f"{s[:3] if s == 'generate' else s}_s", ".1f") for s in STAGES)
+TIMINGS = tuple((f"timing_s/{s}", f"{KINDS[s].short}_s", ".1f") for s in ORDER)
 
 
 class InspectError(RuntimeError):
@@ -59,7 +60,7 @@ def iteration_table(run: RunDir, exp: Experiment, extra: tuple[str, ...] = ()) -
     columns = metric_columns(exp) + [(key, key, ".4g") for key in extra]
     rows = []
     for k in run.iterations_present():
-        found = {s: manifest(run.stage_dir(k, s)) for s in STAGES}
+        found = {s: manifest(run.stage_dir(k, s)) for s in ORDER}
         if not any(found.values()):
             continue
         metrics = {key: v for m in found.values() if m for key, v in m.get("metrics", {}).items()}
@@ -121,7 +122,7 @@ def iteration_detail(run: RunDir, k: int, samples: int = 3) -> dict[str, pl.Data
     if k not in present:
         span = f"{present[0]}..{present[-1]}" if present else "none yet"
         raise InspectError(f"{run.root}: no iteration {k} (iterations present: {span})")
-    gen, scored = run.stage_dir(k, "generate"), run.stage_dir(k, "score")
+    gen, scored = run.stage_dir(k, GENERATE), run.stage_dir(k, SCORE)
     rollouts, scores = committed_file(gen, "rollouts"), committed_file(scored, "scores")
     r = pl.scan_parquet(rollouts).select(
         *SAMPLE_KEYS, "data_source", "finish_reason", response_length=pl.col("response_ids").list.len())

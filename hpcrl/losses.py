@@ -9,10 +9,17 @@ and micro-batches, so the loss does not depend on how the batch is split:
   seq-mean-token-mean  mean over sequences of each sequence's token mean         (GRPO paper)
   seq-mean-token-sum   mean over sequences of each sequence's token sum          (Dr.GRPO)
 Clipping: `clip_low`/`clip_high` (clip-higher, DAPO) and dual-clip (`dual_clip_c`, Ye et al. 2020).
+
+The trainer takes its policy loss from a registry (`POLICY_LOSSES`), built once per update from
+the algorithm config; every entry returns a function with the one signature the trainer calls,
+`(logp, old_logp, advantages, mask, *, ref_logp, kl_coef, n_tokens, n_seqs, token_entropy)`, so
+a new policy loss is one decorated builder here plus its test.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -164,3 +171,31 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     if var_r == 0:
         return float("nan")
     return float(1.0 - (r - v).var(unbiased=False) / var_r)
+
+
+PolicyLossFn = Callable[..., PolicyLoss]
+POLICY_LOSSES: dict[str, Callable[..., PolicyLossFn]] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[Callable[..., PolicyLossFn]], Callable[..., PolicyLossFn]]:
+    def wrap(builder: Callable[..., PolicyLossFn]) -> Callable[..., PolicyLossFn]:
+        POLICY_LOSSES[name] = builder
+        return builder
+
+    return wrap
+
+
+@register_policy_loss("ppo_clip")
+def ppo_clip_loss(a) -> PolicyLossFn:
+    """`ppo_clip` with the algorithm config's clip range, dual clip, KL estimator, aggregation and
+    entropy weight (`a` is hpcrl.config's AlgorithmConfig)."""
+    return functools.partial(ppo_clip, clip_ratio=a.clip_ratio, kl_estimator=a.kl_estimator,
+                             clip_high=a.clip_ratio_high or None, dual_clip_c=a.dual_clip_c or None, agg=a.loss_agg,
+                             entropy_coef=a.entropy_coef)
+
+
+def policy_loss(a, name: str = "ppo_clip") -> PolicyLossFn:
+    """The registered policy loss `name`, built for algorithm config `a`."""
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}; registered: {', '.join(POLICY_LOSSES)}")
+    return POLICY_LOSSES[name](a)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from hpcrl import commit
 from hpcrl.config import Experiment
-from hpcrl.rundir import STAGES, RunDir
+from hpcrl.rundir import RunDir
+from hpcrl.stage_kinds import GENERATE, ORDER, SCORE
 
 
 def validates(exp: Experiment, iteration: int) -> bool:
@@ -25,8 +26,8 @@ def trains(exp: Experiment, iteration: int) -> bool:
 
 def stages_of(exp: Experiment, iteration: int) -> tuple[str, ...]:
     if trains(exp, iteration):
-        return STAGES
-    return ("generate", "score") if validates(exp, iteration) else ()
+        return ORDER
+    return (GENERATE, SCORE) if validates(exp, iteration) else ()
 
 
 def all_stages(exp: Experiment) -> list[tuple[int, str]]:

@@ -20,10 +20,11 @@ from matplotlib.figure import Figure
 
 from hpcrl.config import Experiment
 from hpcrl.inspection import InspectError, iteration_table
-from hpcrl.rundir import STAGES, RunDir
+from hpcrl.rundir import RunDir
+from hpcrl.stage_kinds import GENERATE, ORDER, SCORE, UPDATE
 
 EXTRA = ("response_length/max",)
-STAGE_COLOURS = {"generate": "#4C72B0", "score": "#DD8452", "update": "#55A868"}
+STAGE_COLOURS = {GENERATE: "#4C72B0", SCORE: "#DD8452", UPDATE: "#55A868"}
 
 
 def _series(df: pl.DataFrame, key: str) -> tuple[list[int], list[float]]:
@@ -99,7 +100,7 @@ def timing_figure(df: pl.DataFrame, run_name: str) -> Figure:
     fig, (ax,) = _figure()
     x = df["iteration"].to_list()
     bottom = [0.0] * len(x)
-    for stage in STAGES:
+    for stage in ORDER:
         values = [v or 0.0 for v in df[f"timing_s/{stage}"].to_list()]
         if any(values):
             ax.bar(x, values, bottom=bottom, width=0.8, label=stage, color=STAGE_COLOURS[stage])

@@ -58,8 +58,9 @@ class Guard:
         raise SystemExit(-1)
 
 
-def save_progress(engines: dict, stage_dir: Path, rank: int, progress: dict) -> Path:
-    """The DeepSpeed state of each engine (every rank) and progress (rank 0) into the partial directory."""
+def save_progress(engines: dict, stage_dir: Path, rank: int, progress: object) -> Path:
+    """The DeepSpeed state of each engine (every rank) and the progress record (rank 0: an
+    hpcrl.update.UpdateState) into the partial directory."""
     from hpcrl import trainer
 
     final = partial_dir(stage_dir)
@@ -80,8 +81,10 @@ def save_progress(engines: dict, stage_dir: Path, rank: int, progress: dict) -> 
     return final
 
 
-def load_progress(engines: dict, stage_dir: Path) -> dict | None:
-    """The saved progress of an interrupted update (the engines' state restored), or None."""
+def load_progress(engines: dict, stage_dir: Path, types: tuple[type, ...]) -> object | None:
+    """The saved progress of an interrupted update (the engines' state restored), or None.
+
+    Only tensors, containers and the record classes `types` unpickle (torch's weights_only load)."""
     from hpcrl import trainer
 
     d = partial_dir(stage_dir)
@@ -91,7 +94,5 @@ def load_progress(engines: dict, stage_dir: Path) -> dict | None:
         path, _ = engine.load_checkpoint(str(d / name), tag=trainer.DS_TAG)
         if path is None:
             raise RuntimeError(f"{d}: progress without the DeepSpeed state of the {name}")
-    from hpcrl.kl_control import KLControl
-
-    with torch.serialization.safe_globals([KLControl]):  # tensors, containers and this record: nothing else unpickles
+    with torch.serialization.safe_globals(list(types)):
         return torch.load(d / PROGRESS, weights_only=True)

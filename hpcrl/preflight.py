@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hpcrl import data, rewards
 from hpcrl.config import ConfigError, Experiment
+from hpcrl.stage_kinds import ORDER
 
 
 def _check_model(exp: Experiment) -> tuple[list[str], dict | None]:
@@ -130,7 +131,7 @@ def _check_slurm(exp: Experiment) -> list[str]:
     if exp.update.world_size % exp.executor.update.nodes:
         problems.append(f"executor.update.nodes: update.world_size={exp.update.world_size} ranks do not spread "
                         f"evenly over {exp.executor.update.nodes} nodes")
-    for role in ("controller", "generate", "score", "update"):
+    for role in ("controller", *ORDER):
         try:
             sbatch.directives(executors.slurm_parameters(exp, role, exp.run.name), Path("logs"))
         except ConfigError as err:

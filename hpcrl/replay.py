@@ -15,9 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcrl import commit, config, executors, schemas
+from hpcrl import commit, config, executors, schemas, stage_kinds
 from hpcrl.config import Experiment
 from hpcrl.rundir import RunDir
+from hpcrl.stage_kinds import GENERATE, SCORE, UPDATE
 
 # Metrics that measure speed, not results: reported, never part of the verdict.
 NOISY = ("perf/", "timing_s/")
@@ -28,9 +29,7 @@ LOSS_TOL = 1e-6  # absolute, per optimizer step
 
 def inputs_of(stage: str, iteration: int) -> list[tuple[int, str]]:
     """The committed stage outputs a stage reads."""
-    prev = [(iteration - 1, "update")] if iteration > 0 else []
-    return {"generate": prev, "score": [(iteration, "generate")],
-            "update": [(iteration, "generate"), (iteration, "score"), *prev]}[stage]
+    return stage_kinds.kind(stage).inputs(iteration)
 
 
 def prepare(run: RunDir, exp: Experiment, iteration: int, stage: str, overrides: dict[str, str],
@@ -137,7 +136,7 @@ def _update_diff(a: Path, b: Path) -> tuple[bool, list[str]]:
     return worst < WEIGHT_TOL and len(la) == len(lb) and loss < LOSS_TOL, lines
 
 
-DIFFS = {"generate": _generate_diff, "score": _score_diff, "update": _update_diff}
+DIFFS = {GENERATE: _generate_diff, SCORE: _score_diff, UPDATE: _update_diff}
 
 
 def compare(original: Path, replayed: Path, stage: str) -> Report:

@@ -1,17 +1,17 @@
 """The resident mode: one job keeps the trainer ranks, the vLLM generator and the reward workers
 up for the whole run, and moves new weights from the trainer to vLLM without a restart.
 
-Task layout (hpcrl.roles.Layout): trainer ranks 0..W-1 hold a live DeepSpeed engine (hpcrl.actor);
-task W holds the vLLM engine and a pool of reward workers, and drives the loop. It walks the same
-plan as the staged controller (hpcrl.plan) and runs each stage through hpcrl.stage.run_stage, so
-a resident run commits exactly the outputs of a staged one and can be resumed, inspected,
-replayed, or continued in the other mode.
+Task layout (hpcrl.roles.Layout): trainer ranks 0..W-1 each set up the update stage object once
+(hpcrl.update.UpdateStage: a live DeepSpeed engine); task W sets up the generate and score stage
+objects once (the vLLM engine, the pool of reward workers) and drives the loop. It walks the same
+plan as the staged controller (hpcrl.plan) and runs each stage object through
+hpcrl.stage.run_stage, so a resident run commits exactly the outputs of a staged one and can be
+resumed, inspected, replayed, or continued in the other mode.
 
 For the update of iteration k the generator sends a command; the trainers run the update, and
-trainer 0 hands over the weights (hpcrl.weight_sync, by `executor.weight_sync`): broadcast over a
-process group, or copied into one shared-memory file when both tasks share a node, for the
-generator's vLLM workers to load in place (hpcrl.vllm_ext); or written as a policy version for
-vLLM to reload (`filesystem`). Then both sides compute
+trainer 0 hands the weights over through the transport `executor.weight_sync` names
+(hpcrl.transports: a process group, a shared-memory file on one node, or the filesystem), for the
+generator's vLLM workers to load in place (hpcrl.vllm_ext). Then both sides compute
 logprobs of a fixed probe batch: a mismatch stops the run (hpcrl.weight_sync.check_probe).
 The trainers commit the update (with the policy and trainer state every
 `executor.checkpoint_every` updates) in the background while the generator samples the next
@@ -28,11 +28,12 @@ import traceback
 
 import submitit
 
-from hpcrl import plan, weight_sync
+from hpcrl import plan, transports, weight_sync
 from hpcrl.config import Experiment
 from hpcrl.roles import HEARTBEAT_S, ControlPlane, Layout
 from hpcrl.rundir import RunDir
 from hpcrl.stage import OpenStage, run_stage
+from hpcrl.stage_kinds import UPDATE
 
 PROBE_PROMPTS = 4
 
@@ -54,18 +55,16 @@ def probe_sequences(exp: Experiment, tokenizer) -> list[list[int]]:
     return out
 
 
-def _transport(exp: Experiment, plane: ControlPlane, me: str, peer: str) -> str:
-    """The weight-sync transport both ends agree on (hpcrl.weight_sync.transport), from where
-    trainer 0 and the generator run."""
+def _sync_setup(exp: Experiment, run: RunDir, plane: ControlPlane, me: str, peer: str) -> transports.SyncSetup:
+    """The weight sync both ends agree on (hpcrl.transports), from where trainer 0 and the generator run."""
     here = os.environ.get("SLURMD_NODENAME") or os.uname().nodename  # Slurm's node name, else the host's
     plane.store.set(f"host/{me}", here)
-    there = plane.store.get(f"host/{peer}").decode()
-    hosts = {me: here, peer: there}
-    chosen = weight_sync.transport(exp.executor.weight_sync, hosts["trainer0"], hosts["generator"], _backend() == "nccl")
-    if chosen == "shared_memory" and hosts["trainer0"] != hosts["generator"]:
-        raise RuntimeError(f"executor.weight_sync = \"shared_memory\" needs trainer 0 and the generator on one node; "
-                           f"they are on {hosts['trainer0']} and {hosts['generator']}: use \"process_group\" or \"auto\"")
-    return chosen
+    hosts = {me: here, peer: plane.store.get(f"host/{peer}").decode()}
+    name = transports.choose(exp.executor.weight_sync, hosts["trainer0"], hosts["generator"], _backend() == "nccl")
+    return transports.SyncSetup(name, plane.host, plane.port, engines=1, tp=exp.generate.tensor_parallel_size,
+                                timeout_s=exp.executor.collective_timeout_s,
+                                bucket_bytes=int(exp.executor.sync_bucket_mb * (1 << 20)), backend=_backend(),
+                                directory=str(run.root / "resident" / "weights"))
 
 
 def _backend() -> str:
@@ -123,27 +122,25 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        from hpcrl.actor import Actor
+        from hpcrl.update import UpdateStage
 
         self.run, self.exp, self.plane, self.rank = run, exp, plane, rank
-        self.transport = _transport(exp, plane, "trainer0", "generator") if rank == 0 else None
+        setup = _sync_setup(exp, run, plane, "trainer0", "generator") if rank == 0 else None
         world = exp.update.world_size
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(_backend(), store=dist.PrefixStore("trainers", plane.store), rank=rank,
                                 world_size=world)
-        self.version = run.latest_saved_version()
-        self.actor = Actor.for_version(exp, run, self.version, rank, world)
-        self.last_probe, self.sender, self.shared = None, None, None
+        self.stage = UpdateStage(exp, run, rank, world, resident=True)
+        self.stage.setup(run.latest_saved_version())
+        self.actor = self.stage.actor
+        self.last_probe = None
         self.committer: threading.Thread | None = None
         self.commit_error: BaseException | None = None
-        if rank == 0 and self.transport == "process_group":
-            pg = weight_sync.group_on(plane.store, 0, 2, exp.executor.collective_timeout_s, _backend())
-            device = str(self.actor.engine.device) if _backend() == "nccl" else "cpu"
-            self.sender = weight_sync.ProcessGroupSync(pg, 0, int(exp.executor.sync_bucket_mb * (1 << 20)), device)
-        elif rank == 0 and self.transport == "shared_memory":
-            self.shared = weight_sync.SharedMemorySync()
+        self.sync = transports.make(setup) if setup is not None else None
+        if self.sync is not None:
+            self.sync.open_sender(plane.store, str(self.actor.engine.device) if _backend() == "nccl" else "cpu")
 
     def serve(self) -> None:
         import torch.distributed as dist
@@ -159,24 +156,24 @@ class Trainer:
     def _update(self, k: int, checkpoint: bool, probe: list[list[int]]) -> None:
         # the probe under the current weights: the previous update's "new", or computed once
         old = self.last_probe if self.last_probe is not None else self.actor.sequence_logprobs(probe)
-        attempt = OpenStage("update", self.run.root, k, self.rank, self.exp.update.world_size, startup=0.0)
+        attempt = OpenStage(UPDATE, self.run.root, k, self.rank, self.exp.update.world_size, startup=0.0)
         overlap = self.exp.executor.overlap_commit
         if attempt.ctx is not None:
-            attempt.run(self.actor.update)
+            attempt.run(self.stage.run)
             if not overlap:
                 self._commit(attempt, k, checkpoint)
         new = self.last_probe = self.actor.sequence_logprobs(probe)
         t0 = time.perf_counter()
         reply = {"probe_old": old, "probe_new": new}
         with self.actor.full_parameters() as params:  # every rank gathers (ZeRO-3); rank 0 sends
-            if self.rank == 0:
-                reply.update(self._send(params))
+            if self.sync is not None:
+                reply["handoff"] = self.sync.send(params).as_dict()
         reply["send_s"] = time.perf_counter() - t0
         if self.rank == 0:
             self.plane.reply(reply)
         if attempt.ctx is None and self.rank == 0:  # committed by an earlier attempt
             self.plane.signal(f"committed/{k}")
-        elif attempt.ctx is not None and overlap:  # the checkpoint and the commit run while the generator samples the next batch
+        elif attempt.ctx is not None and overlap:  # the checkpoint and the commit run while the generator samples
             self.committer = threading.Thread(target=self._commit_in_background, args=(attempt, k, checkpoint),
                                               name="hpcrl-commit", daemon=True)
             self.committer.start()
@@ -205,73 +202,49 @@ class Trainer:
         if self.commit_error is not None:
             raise RuntimeError("the previous update's commit failed") from self.commit_error
 
-    def _send(self, params) -> dict:
-        """Rank 0: the weights out through the configured transport; what the generator needs."""
-        if self.sender is not None:
-            return {"bytes": self.sender.send(params)}
-        if self.shared is not None:
-            nbytes, header = self.shared.send(params)
-            return {"bytes": nbytes, "header": header, "path": self.shared.path}
-        path = self.run.root / "resident" / "weights"
-        return {"bytes": weight_sync.FilesystemSync(path).send(params), "path": str(path)}
-
 
 class Generator:
-    """The generator task: vLLM engine, reward pool, and the loop over the run's stages."""
+    """The generator task: the generate and score stage objects (vLLM engine, reward pool), and
+    the loop over the run's stages."""
 
     def __init__(self, run: RunDir, exp: Experiment, plane: ControlPlane):
-        from hpcrl import generation
+        from hpcrl.generation import GenerateStage
+        from hpcrl.scoring import ScoreStage
 
         self.run, self.exp, self.plane = run, exp, plane
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(key, None)  # vLLM sets up its own (single-process) distributed state
-        generation.configure_env(exp)
-        self.version = run.latest_saved_version()
-        self.transport = _transport(exp, plane, "generator", "trainer0")
-        self.llm = generation.make_engine(exp, run.policy_dir(self.version, exp.model.path), exp.run.seed,
-                                          worker_extension_cls="hpcrl.vllm_ext.WeightReceiver")
-        if self.transport == "process_group":
-            self.llm.collective_rpc("hpcrl_join_sync", args=(
-                plane.host, plane.port, 1, 2, exp.executor.collective_timeout_s,
-                int(exp.executor.sync_bucket_mb * (1 << 20)), _backend()))
-        print(f"[resident] weights reach vLLM through {self.transport.replace('_', ' ')}", flush=True)
-        self.pool = None
-        if exp.reward.workers:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
-
-            self.pool = ProcessPoolExecutor(exp.reward.workers, mp_context=multiprocessing.get_context("spawn"))
+        self.gen, self.score = GenerateStage(exp, run, resident=True), ScoreStage(exp, run, resident=True)
+        self.gen.startup()
+        self.sync = _sync_setup(exp, run, plane, "generator", "trainer0")
+        self.gen.setup(run.latest_saved_version(), exp.run.seed)
+        self.llm = self.gen.llm
+        self.llm.collective_rpc("hpcrl_open_sync", args=(self.sync.as_dict(), 0))
+        print(f"[resident] weights reach vLLM through {self.sync.transport.replace('_', ' ')}", flush=True)
+        self.score.setup(self.gen.version, exp.run.seed)
+        self.gen.pool = self.score.pool  # dynamic sampling scores its rounds on the same workers
         self.probe = probe_sequences(exp, self.llm.get_tokenizer())
-        self.sync_metrics: dict[str, float] = {}
         self.committing: int | None = None  # the update the trainers may still be committing
 
     def drive(self) -> None:
-        from hpcrl import generation, scoring
-
+        stages = {s.name: s for s in (self.gen, self.score)}  # the update runs on the trainers
         try:
             while (nxt := self._next_stage()) is not None:
-                k, stage = nxt
-                if stage == "generate":
-                    def body(ctx):
-                        generation.generate(ctx, self.llm, self.version, self.pool,
-                                            self._await_commit if self.committing is not None else None)
-                        ctx.writer.metrics.update(self.sync_metrics)
-                    run_stage("generate", self.run.root, k, body, startup=0.0)
-                elif stage == "score":
-                    run_stage("score", self.run.root, k, lambda ctx: scoring.score_stage(ctx, self.pool),
-                              startup=0.0)
-                else:
+                k, name = nxt
+                if name not in stages:
                     self._update(k)
+                    continue
+                self.gen.await_policy = self._await_commit if self.committing is not None else None
+                run_stage(name, self.run.root, k, stages[name].run, startup=0.0)
             self._await_commit()
         finally:
-            if self.pool is not None:
-                self.pool.shutdown(cancel_futures=True)
+            self.score.close()
         self.plane.send({"op": "stop"})
         self.plane.stop_monitor()
 
     def _next_stage(self) -> tuple[int, str] | None:
         """The next stage to run: the first uncommitted one, but for the update being committed."""
-        pending = [s for s in plan.pending_stages(self.run, self.exp) if s != (self.committing, "update")]
+        pending = [s for s in plan.pending_stages(self.run, self.exp) if s != (self.committing, UPDATE)]
         return pending[0] if pending else None
 
     def _await_commit(self) -> None:
@@ -284,38 +257,39 @@ class Generator:
         colocate = self.exp.executor.colocate and _backend() == "nccl"
         if colocate:  # free vLLM's GPU memory (weights and KV cache) for the update
             self.llm.sleep(level=2)
-        seq = self.plane.send({"op": "update", "iteration": k, "checkpoint": checkpoint_due(self.exp, k),
+        seq = self.plane.send({"op": UPDATE, "iteration": k, "checkpoint": checkpoint_due(self.exp, k),
                                "probe": self.probe})
         if colocate:
             self.llm.wake_up(tags=["weights"])
-        if self.transport == "process_group":  # the engine loads buckets as they arrive
-            received = self.llm.collective_rpc("hpcrl_receive_weights")[0]
-            t0 = time.perf_counter()
-            reply = self.plane.wait_reply(seq)
-        else:
-            reply = self.plane.wait_reply(seq)
-            t0 = time.perf_counter()
-            if self.transport == "shared_memory":
-                received = self.llm.collective_rpc("hpcrl_load_shared", args=(reply["path"], reply["header"]))[0]
-            else:
-                received = self.llm.collective_rpc("hpcrl_reload_from", args=(reply["path"],))[0]
+        reply, sync_s = self._load_weights(seq)
         if colocate:
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
-        self.version = k + 1
+        self.gen.version = k + 1
         self.committing = k if self.exp.executor.overlap_commit else None
-        # trainer: gather + send (or write); generator: what remains after the last byte (or the reload)
-        sync_s = reply["send_s"] + time.perf_counter() - t0
         from hpcrl import generation
 
         t0 = time.perf_counter()
         engine_lp = generation.sequence_logprobs(self.llm, self.probe)
         metrics = weight_sync.check_probe(engine_lp, reply["probe_new"], reply["probe_old"],
-                                          weight_sync.probe_tolerance(self.exp), version=self.version)
+                                          weight_sync.probe_tolerance(self.exp), version=k + 1)
         metrics["sync/probe_s"] = time.perf_counter() - t0
-        nbytes = float(received.get("bytes") or reply.get("bytes") or 0)
-        self.sync_metrics = {**metrics, "sync/seconds": sync_s, "sync/bytes": nbytes,
-                             "sync/gb_per_s": nbytes / max(sync_s, 1e-9) / 1e9}
+        nbytes = float(reply["handoff"]["bytes"])
+        self.gen.metrics = {**metrics, "sync/seconds": sync_s, "sync/bytes": nbytes,
+                            "sync/gb_per_s": nbytes / max(sync_s, 1e-9) / 1e9}
+
+    def _load_weights(self, seq: int) -> tuple[dict, float]:
+        """The trainer's reply to update command `seq`, once the engine holds the new weights, and
+        the sync's seconds: trainer 0's gather and send, plus what the load side adds after it."""
+        if transports.TRANSPORTS[self.sync.transport].streams:  # loaded as the buckets arrive
+            self.llm.collective_rpc("hpcrl_load_weights", args=(transports.Handoff(self.sync.transport).as_dict(),))
+            t0 = time.perf_counter()
+            reply = self.plane.wait_reply(seq)
+        else:
+            reply = self.plane.wait_reply(seq)
+            t0 = time.perf_counter()
+            self.llm.collective_rpc("hpcrl_load_weights", args=(reply["handoff"],))
+        return reply, reply["send_s"] + time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> None:

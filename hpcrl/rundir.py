@@ -25,7 +25,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-STAGES = ("generate", "score", "update")
+from hpcrl.stage_kinds import ORDER, UPDATE
+
 CONFIG_FILE = "experiment.toml"
 RUN_FILE = "run.json"
 
@@ -58,26 +59,26 @@ class RunDir:
         return self.root / f"iter_{iteration:06d}"
 
     def stage_dir(self, iteration: int, stage: str) -> Path:
-        if stage not in STAGES:
-            raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
+        if stage not in ORDER:
+            raise ValueError(f"unknown stage {stage!r}; expected one of {ORDER}")
         return self.iteration_dir(iteration) / stage
 
     def policy_dir(self, version: int, base_model: str | os.PathLike) -> Path:
         """HF weights of a policy version; version 0 is the base model of the config."""
         if version == 0:
             return Path(base_model)
-        return self.stage_dir(version - 1, "update") / "policy"
+        return self.stage_dir(version - 1, UPDATE) / "policy"
 
     def trainer_state_dir(self, version: int) -> Path | None:
         """DeepSpeed state that produced `version` (None for the base model)."""
-        return None if version == 0 else self.stage_dir(version - 1, "update") / "trainer"
+        return None if version == 0 else self.stage_dir(version - 1, UPDATE) / "trainer"
 
     def critic_dir(self, version: int, initial: str | os.PathLike) -> Path:
         """PPO's critic trained alongside a policy version (HF-style backbone + value_head.safetensors);
         for version 0, `initial` (algorithm.critic_path, else the base model)."""
         if version == 0:
             return Path(initial)
-        return self.stage_dir(version - 1, "update") / "critic"
+        return self.stage_dir(version - 1, UPDATE) / "critic"
 
     def critic_state_dir(self, version: int) -> Path | None:
         """The critic's DeepSpeed state (inside the trainer state, not checksummed); None for version 0."""
@@ -87,7 +88,7 @@ class RunDir:
     def has_policy(self, version: int) -> bool:
         """Whether the weights of `version` were saved (always for 0, the base model)."""
         return version == 0 or (self.policy_dir(version, "") / "config.json").is_file() and (
-            self.stage_dir(version - 1, "update") / "_COMMIT.json").is_file()
+            self.stage_dir(version - 1, UPDATE) / "_COMMIT.json").is_file()
 
     def latest_saved_version(self) -> int:
         """The highest policy version whose weights and trainer state are committed."""
@@ -105,7 +106,7 @@ class RunDir:
             if k > v:
                 targets = [self.iteration_dir(k)]
             elif k == v:
-                targets = [self.stage_dir(k, "update")]
+                targets = [self.stage_dir(k, UPDATE)]
             else:
                 continue
             for d in targets:

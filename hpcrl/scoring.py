@@ -16,6 +16,8 @@ import pyarrow.compute as pc
 from hpcrl import rewards
 from hpcrl.config import Experiment, RewardConfig
 from hpcrl.schemas import SAMPLE_KEYS
+from hpcrl.stage import Stage, StageContext
+from hpcrl.stage_kinds import GENERATE, SCORE
 
 INPUT_COLUMNS = [*SAMPLE_KEYS, "data_source", "prompt_text", "ground_truth", "response_text", "response_ids",
                  "finish_reason"]
@@ -131,12 +133,36 @@ def metrics(rollouts: pa.Table, scores: pa.Table) -> dict[str, float]:
     return {k: float(v) for k, v in out.items()}
 
 
-def score_stage(ctx, pool=None) -> None:
+class ScoreStage(Stage):
+    """The score stage: the configured reward sources over the iteration's rollouts. A source
+    that fails raises, and nothing is committed. In the resident mode `setup` starts the pool
+    of reward workers (`reward.workers`) that the reward functions then run on for the run."""
+
+    name = SCORE
+    pool = None
+
+    def setup(self, version: int, seed: int) -> None:
+        if self.resident and self.exp.reward.workers and self.pool is None:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            self.pool = ProcessPoolExecutor(self.exp.reward.workers, mp_context=multiprocessing.get_context("spawn"))
+
+    def run(self, ctx: StageContext) -> None:
+        score_stage(ctx, self.pool)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+            self.pool = None
+
+
+def score_stage(ctx: StageContext, pool=None) -> None:
     """The score stage of ctx.iteration; the reward functions run on `pool` (an Executor of
     reward worker processes, kept by the resident mode) when given."""
     from hpcrl import commit
 
-    gen = ctx.input_dir("generate")
+    gen = ctx.input_dir(GENERATE)
     ctx.policy_version = commit.read_manifest(gen)["policy_version"]
     with ctx.timed("io"):
         rollouts = commit.read_table(gen, "rollouts", columns=INPUT_COLUMNS)

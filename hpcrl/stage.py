@@ -1,27 +1,31 @@
 """What every stage does around its work: read the frozen config, take the stage lock, skip a
 committed stage, stage outputs in a temporary directory, time the phases, commit with a manifest.
 
-Stage bodies (generate, score, update) receive a StageContext and only compute and write tables.
-Multi-rank stages (the update) call `run_stage` on every rank after initialising
-torch.distributed; only rank 0 locks and commits. Stage jobs (stages/) and the resident workers
-(hpcrl.resident) both run their stage bodies through `run_stage`, or through `OpenStage` when the
-commit comes later than the body (the resident trainer's checkpoint).
+A stage's work is a `Stage` object (one per kind, registered in hpcrl.stage_kinds): it receives
+a StageContext and only computes and writes tables. Multi-rank stages (the update) call
+`run_stage` on every rank after initialising torch.distributed; only rank 0 locks and commits.
+Stage jobs (`job_main`, behind stages/) and the resident workers (hpcrl.resident) both run the
+stage objects through `run_stage`, or through `OpenStage` when the commit comes later than the
+work (the resident trainer's checkpoint).
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib.metadata
 import os
 import shutil
 import socket
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
-from hpcrl import commit, config
+from hpcrl import commit, config, stage_kinds
 from hpcrl.rundir import RunDir
 
 PROCESS_STARTED = time.time()
@@ -172,7 +176,7 @@ class OpenStage:
               flush=True)
         return self.manifest
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (an optional hook)
         """Release the stage lock (idempotent); an uncommitted attempt leaves nothing behind but
         its temporary directory, which the next attempt replaces."""
         self._locks.close()
@@ -189,3 +193,62 @@ def run_stage(stage: str, run_dir: str | os.PathLike, iteration: int, body: Body
         return attempt.manifest
     attempt.run(body)
     return attempt.commit()
+
+
+class Stage(ABC):
+    """One stage kind's work. A stage job sets it up for its iteration and runs it once
+    (`job`); a resident task sets it up once for the whole run and runs it per iteration.
+    `resident` says which: the resident mode's extras (the weight receiver in vLLM, the reward
+    workers) are set up only there."""
+
+    name: ClassVar[str]
+
+    def __init__(self, exp: config.Experiment, run: RunDir, rank: int = 0, world_size: int = 1,
+                 resident: bool = False):
+        self.exp, self.rundir, self.rank, self.world_size, self.resident = exp, run, rank, world_size, resident
+
+    def startup(self) -> None:  # noqa: B027  (an optional hook)
+        """Imports whose cost is process start-up (vLLM, DeepSpeed), not loading; timed apart."""
+
+    @abstractmethod
+    def setup(self, version: int, seed: int) -> None:
+        """Build what runs the stage for policy `version` (the engine, the actor, the pool)."""
+
+    @abstractmethod
+    def run(self, ctx: StageContext) -> None:
+        """The stage of ctx.iteration: read its committed inputs, compute, write its tables."""
+
+    def close(self) -> None:
+        """Release what `setup` started (worker processes); the resident loop calls it at the end."""
+
+    def job(self, ctx: StageContext) -> None:
+        """A stage job's whole work: set up for the iteration, then run it."""
+        with ctx.timed("startup"):
+            self.startup()
+        with ctx.timed("load"):
+            self.setup(ctx.iteration, ctx.seed)  # iteration k works with the policy after k updates
+        self.run(ctx)
+
+
+def job_main(name: str, argv: list[str] | None = None) -> None:
+    """`python -m stages.<name> --run-dir R --iteration K`: one stage job (stages/*.py)."""
+    kind = stage_kinds.kind(name)
+    parser = argparse.ArgumentParser(prog=f"python -m {kind.module}",
+                                     description=f"Run the {name} stage of one iteration and commit it.")
+    parser.add_argument("--run-dir", required=True, help="run directory (holds the frozen experiment.toml)")
+    parser.add_argument("--iteration", type=int, required=True, help="iteration number, from 0")
+    args = parser.parse_args(argv)
+    if not kind.on_trainers:
+        run_stage(name, args.run_dir, args.iteration, _job_body(kind))
+        return
+    from hpcrl import distributed
+
+    rank, world = distributed.init()
+    try:
+        run_stage(name, args.run_dir, args.iteration, _job_body(kind, rank, world), rank, world)
+    finally:
+        distributed.shutdown()
+
+
+def _job_body(kind: stage_kinds.Kind, rank: int = 0, world_size: int = 1) -> Body:
+    return lambda ctx: kind.stage_class()(ctx.exp, ctx.run, rank, world_size).job(ctx)

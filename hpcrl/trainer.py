@@ -9,54 +9,17 @@ format and the DeepSpeed state. Stage bookkeeping (locks, commit) is not here.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import torch
 import torch.distributed as dist
 
 from hpcrl import losses
-from hpcrl.batches import micro_batches, padded, response_outputs, response_values
+from hpcrl.batches import Samples, micro_batches, response_outputs, response_values
 from hpcrl.config import Experiment
-from hpcrl.schemas import SAMPLE_KEYS
 
 DS_TAG = "state"
-
-
-@dataclass
-class Samples:
-    """The training samples of one iteration, in a fixed order."""
-
-    keys: pa.Table  # SAMPLE_KEYS columns
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    sampler_logprobs: list[list[float]]
-    rewards: torch.Tensor
-    group_ids: torch.Tensor
-
-    def __len__(self) -> int:
-        return len(self.response_ids)
-
-
-def load_samples(rollouts: pa.Table, scores: pa.Table) -> Samples:
-    """The update batch: the `kept` training rows of the rollouts with their rewards (rows must
-    line up key by key). Rollouts of schema v1 have no `kept`: every training row is kept."""
-    if rollouts.select(list(SAMPLE_KEYS)) != scores.select(list(SAMPLE_KEYS)):
-        raise ValueError("score rows do not line up with the rollouts (keys differ)")
-    batch = pa.compute.equal(rollouts["split"], "train")
-    if "kept" in rollouts.column_names:
-        batch = pa.compute.and_(batch, rollouts["kept"])
-    train, s = rollouts.filter(batch), scores.filter(batch)
-    return Samples(
-        keys=train.select(list(SAMPLE_KEYS)),
-        prompt_ids=train["prompt_ids"].to_pylist(),
-        response_ids=train["response_ids"].to_pylist(),
-        sampler_logprobs=train["logprobs"].to_pylist(),
-        rewards=torch.tensor(s["reward"].to_numpy(), dtype=torch.float64),
-        group_ids=torch.tensor(train["prompt_index"].to_numpy()),
-    )
 
 
 def zero_stage(exp: Experiment, world_size: int) -> int:
@@ -138,7 +101,7 @@ def refuse_non_finite(iteration: int, stats: list[dict], modules: dict[str, torc
     """Raise before anything is written when an update's gradient norm or any updated parameter
     (of every rank's share, under ZeRO-3) is not finite: a non-finite policy is never committed."""
     norms = [s["step"] for s in stats if not math.isfinite(s.get("grad_norm", 0.0))]
-    counts = _all_sum([float(sum(not bool(torch.isfinite(getattr(p, "ds_tensor", p.data)).all())
+    counts = all_sum([float(sum(not bool(torch.isfinite(getattr(p, "ds_tensor", p.data)).all())
                                  for p in m.parameters())) for m in modules.values()])
     bad = {name: int(c) for name, c in zip(modules, counts, strict=True) if c}
     if norms or bad:
@@ -149,14 +112,14 @@ def refuse_non_finite(iteration: int, stats: list[dict], modules: dict[str, torc
                                  "update.grad_clip and the rewards)")
 
 
-def _all_sum(values: list[float]) -> list[float]:
+def all_sum(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return t.tolist()
 
 
-def _all_gather_rows(local: dict[int, list[float]]) -> dict[int, list[float]]:
+def all_gather_rows(local: dict[int, list[float]]) -> dict[int, list[float]]:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return local
     parts = [None] * dist.get_world_size()
@@ -176,7 +139,7 @@ def logprobs_of(model, samples: Samples, rows: list[int], exp: Experiment, pad_i
         lp = losses.token_logprobs(logits, mb.targets, temperature)
         for i, values in zip(mb.index.tolist(), response_values(lp, mb), strict=True):
             out[i] = values
-    return _all_gather_rows(out)
+    return all_gather_rows(out)
 
 
 def response_mask(lengths: list[int]) -> torch.Tensor:
@@ -197,67 +160,6 @@ def pad_rows(rows_values: dict[int, list[float]], mask: torch.Tensor) -> torch.T
 
 def unpad_rows(values: torch.Tensor, mask: torch.Tensor) -> dict[int, list[float]]:
     return {i: values[i][mask[i].bool()].tolist() for i in range(values.shape[0])}
-
-
-STAT_NAMES = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_ref", "entropy")
-
-
-def train_step(engine, samples: Samples, mini: list[int], adv: torch.Tensor | dict[int, list[float]],
-               old: dict | None, ref: dict | None, exp: Experiment, pad_id: int, rank: int, world_size: int,
-               kl_coef: float | None = None) -> dict[str, float]:
-    """One optimizer step on one mini-batch; returns its statistics (global token means).
-
-    `adv` is one advantage per sample ([samples]) or per-token advantages by row (PPO's GAE);
-    `kl_coef` is the KL loss weight (default algorithm.kl_coef; 0 when the KL is in the reward).
-    `old=None` says the policy has not stepped since the batch was sampled: the old logprobs are
-    the forward pass's own (detached), and come back, gathered by row, as stats["old"].
-    """
-    a, u = exp.algorithm, exp.update
-    kl_coef = a.kl_coef if kl_coef is None else kl_coef
-    n_tokens = sum(len(samples.response_ids[i]) for i in mini)
-    mbs = micro_batches(samples, rank_rows(mini, rank, world_size), u.micro_batch_size, pad_id, u.share_prompts)
-    scale = world_size * len(mbs)  # undo DeepSpeed's mean over ranks and micro-batches
-    sums = dict.fromkeys(STAT_NAMES, 0.0)
-    temperature = exp.generate.temperature or 1.0
-    fresh_old = {}
-    for mb in mbs:
-        mb = mb.to(engine.device)
-        logits = response_outputs(engine, mb)
-        logp = losses.token_logprobs(logits, mb.targets, temperature)
-        token_entropy = losses.entropy(logits) if a.entropy_coef > 0 else None
-        mb_adv = padded(adv, mb) if isinstance(adv, dict) else adv[mb.index].to(logp.device)
-        if old is None:
-            mb_old = logp.detach()
-            fresh_old.update(zip(mb.index.tolist(), response_values(mb_old, mb), strict=True))
-        else:
-            mb_old = padded(old, mb)
-        out = losses.ppo_clip(logp, mb_old, mb_adv, mb.mask, a.clip_ratio,
-                              padded(ref, mb) if ref is not None else None, kl_coef, a.kl_estimator, n_tokens,
-                              clip_high=a.clip_ratio_high or None, dual_clip_c=a.dual_clip_c or None,
-                              agg=a.loss_agg, n_seqs=len(mini), token_entropy=token_entropy,
-                              entropy_coef=a.entropy_coef)
-        if not torch.isfinite(out.loss):
-            raise FloatingPointError(f"non-finite loss ({out.loss.item()}) on rank {rank}; the update is not "
-                                     "committed and the run stays at the last good policy version")
-        engine.backward(out.loss * scale)
-        tokens = float(mb.mask.sum())
-        with torch.no_grad():
-            ent_tokens = token_entropy if token_entropy is not None else losses.entropy(logits)
-            ent = losses.token_sum(ent_tokens, mb.mask).item()
-        sums["loss"] += out.loss.item()
-        sums["pg_loss"] += out.pg_loss.item()
-        sums["pg_clipfrac"] += out.clipfrac.item() * tokens / n_tokens
-        sums["ppo_kl"] += out.ppo_kl.item() * tokens / n_tokens
-        sums["kl_ref"] += out.kl_ref.item() * tokens / n_tokens
-        sums["entropy"] += ent / n_tokens
-        grad_norm = engine_step(engine)
-    stats = dict(zip(STAT_NAMES, _all_sum([sums[k] for k in STAT_NAMES]), strict=True))
-    stats["grad_norm"] = grad_norm
-    stats["lr"] = engine.get_lr()[0]
-    stats["tokens"] = n_tokens
-    if old is None:
-        stats["old"] = _all_gather_rows(fresh_old)
-    return stats
 
 
 def save_policy(engine, exp: Experiment, out: Path, rank: int) -> None:

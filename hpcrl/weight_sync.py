@@ -1,4 +1,4 @@
-"""Moving policy weights from the trainer to generators: one small interface, two transports.
+"""Moving policy weights from the trainer to generators: the mechanisms, and the sync probe.
 
 - process group: a dedicated torch.distributed group (gloo on CPU, NCCL for CUDA tensors) built
   from its own TCPStore, so it never touches the trainer's default group; tensors travel in
@@ -9,8 +9,10 @@
   socket: on CPU several times faster than gloo over loopback (tools/bench_weight_sync.py).
 - filesystem: the sender writes safetensors into a directory, the receiver reads them back.
 
-The receiver yields (name, tensor) pairs in the sender's order; loading them into a running vLLM
-engine is the generator's business (the resident mode builds on this). No stage logic here.
+The receiver yields (name, tensor) pairs in the sender's order. hpcrl.transports wraps each
+mechanism in the one interface the resident mode uses; hpcrl.vllm_ext loads them into a running
+vLLM engine. After every sync, `check_probe` compares the engine's logprobs on a fixed probe batch
+with the trainer's. No stage logic here.
 """
 
 from __future__ import annotations
@@ -43,16 +45,6 @@ def group_on(store, rank: int, world_size: int, timeout_s: float = 300, backend:
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
     return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-
-
-def transport(setting: str, trainer_host: str, generator_host: str, cuda: bool) -> str:
-    """The weight-sync transport a resident job uses (`executor.weight_sync`); "auto": through
-    shared memory when trainer 0 and the generator share a node and the weights are on CPU, else
-    over a process group (NCCL between GPUs, gloo across nodes)."""
-    if setting != "auto":
-        return setting
-    same_cpu_node = trainer_host == generator_host and not cuda and hasattr(os, "memfd_create")
-    return "shared_memory" if same_cpu_node else "process_group"
 
 
 def _buckets(tensors: list[Named], bucket_bytes: int) -> list[list[Named]]:

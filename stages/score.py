@@ -1,19 +1,14 @@
-"""Score stage: apply the configured reward sources (functions, reward model, HTTP service) to the
-iteration's rollouts. A source that fails raises, and nothing is committed.
+"""Score stage job: the reward sources over the iteration's rollouts (hpcrl.scoring.ScoreStage).
 
     python -m stages.score --run-dir R --iteration K
 """
 
-from __future__ import annotations
-
-from hpcrl import scoring
-from hpcrl.stage import run_stage
-from stages import cli_args
+from hpcrl.stage import job_main
+from hpcrl.stage_kinds import SCORE
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = cli_args("score", argv)
-    run_stage("score", args.run_dir, args.iteration, scoring.score_stage)
+    job_main(SCORE, argv)
 
 
 if __name__ == "__main__":

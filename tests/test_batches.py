@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpcrl import trainer
+from hpcrl import batches, trainer
 from hpcrl.batches import collate, micro_batches, padded, response_outputs, response_values
 from hpcrl.critic import load_value_model
 
 
-def _samples(vocab: int) -> trainer.Samples:
+def _samples(vocab: int) -> batches.Samples:
     """Groups of 4 with prompts of 9-13 tokens and responses of 1-6 tokens; one prompt appears once."""
     g = torch.Generator().manual_seed(0)
     prompts, responses, groups = [], [], []
@@ -22,7 +22,7 @@ def _samples(vocab: int) -> trainer.Samples:
             responses.append(torch.randint(3, vocab, (1 + (group + s) % 6,), generator=g).tolist())
             groups.append(group)
     n = len(prompts)
-    return trainer.Samples(None, prompts, responses, [[0.0] * len(r) for r in responses],
+    return batches.Samples(None, prompts, responses, [[0.0] * len(r) for r in responses],
                            torch.zeros(n, dtype=torch.float64), torch.tensor(groups))
 
 

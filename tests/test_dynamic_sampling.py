@@ -7,8 +7,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from hpcrl import batches
 from hpcrl import dynamic_sampling as ds
-from hpcrl import trainer
 from hpcrl.data import draw_prompts
 
 
@@ -124,14 +124,14 @@ def _tables(kept: list[bool] | None):
 
 
 def test_the_update_batch_is_the_kept_training_rows():
-    samples = trainer.load_samples(*_tables([True, True, False, False, False, False]))
+    samples = batches.load_samples(*_tables([True, True, False, False, False, False]))
     assert samples.keys["prompt_index"].to_pylist() == [4, 4]
     assert samples.rewards.tolist() == [1.0, 0.0] and samples.group_ids.tolist() == [4, 4]
-    old = trainer.load_samples(*_tables(None))  # schema v1 rollouts: every training row
+    old = batches.load_samples(*_tables(None))  # schema v1 rollouts: every training row
     assert old.keys["prompt_index"].to_pylist() == [4, 4, 5, 5]
     rollouts, scores = _tables(None)
     with pytest.raises(ValueError, match="do not line up"):
-        trainer.load_samples(rollouts, scores.set_column(1, "prompt_index", pa.array([4, 4, 5, 6, 0, 1])))
+        batches.load_samples(rollouts, scores.set_column(1, "prompt_index", pa.array([4, 4, 5, 6, 0, 1])))
 
 
 def test_config_keys_and_the_note_on_scoring_twice(write_experiment):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpcrl import commit, config, trainer
+from hpcrl import batches, commit, config
 from hpcrl.batches import micro_batches, response_values
 from hpcrl.rundir import RunDir
 
@@ -107,7 +107,7 @@ def test_the_saved_critic_is_the_live_one(ppo_run):
     exp = config.load(path)
     assert (run.critic_dir(2, "") / "value_head.safetensors").is_file()
     assert (run.critic_state_dir(2) / "latest").is_file()
-    samples = trainer.load_samples(commit.read_table(run.stage_dir(1, "generate"), "rollouts"),
+    samples = batches.load_samples(commit.read_table(run.stage_dir(1, "generate"), "rollouts"),
                                    commit.read_table(run.stage_dir(1, "score"), "scores"))
     model = load_value_model(run.critic_dir(1, exp.model.path), torch.float32).eval()
     pad = AutoTokenizer.from_pretrained(exp.model.path).pad_token_id

@@ -20,15 +20,15 @@ class SlowUpdate(executors.StageCall):
     """The update stage job with each optimizer step slowed down, so a signal lands mid-update."""
 
     def __call__(self) -> None:
-        from hpcrl import trainer
+        from hpcrl.actor import Actor
 
-        step = trainer.train_step
+        step = Actor.train_step
 
-        def slow(*args, **kwargs):
+        def slow(self, *args, **kwargs):
             time.sleep(1.0)
-            return step(*args, **kwargs)
+            return step(self, *args, **kwargs)
 
-        trainer.train_step = slow
+        Actor.train_step = slow
         super().__call__()
 
 

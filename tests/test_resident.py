@@ -44,7 +44,7 @@ def test_weights_streamed_into_vllm_match_the_trainer_and_a_skipped_sync_is_caug
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from hpcrl import generation, resident, weight_sync
+    from hpcrl import generation, resident, transports
     from hpcrl.distributed import free_port
 
     exp = config.load(write_experiment())
@@ -68,15 +68,17 @@ def test_weights_streamed_into_vllm_match_the_trainer_and_a_skipped_sync_is_caug
                           wait_for_workers=False)
     sent = {}
 
+    setup = transports.SyncSetup("process_group", "127.0.0.1", port, timeout_s=60.0, bucket_bytes=4096)
+
     def trainer_side():
-        pg = weight_sync.group_on(store, 0, 2, 60)
-        sent["bytes"] = weight_sync.ProcessGroupSync(pg, 0, 4096).send(
-            trained.named_parameters(remove_duplicate=False))
+        sender = transports.make(setup)
+        sender.open_sender(store)
+        sent["bytes"] = sender.send(trained.named_parameters(remove_duplicate=False)).bytes
 
     thread = threading.Thread(target=trainer_side)
     thread.start()
-    llm.collective_rpc("hpcrl_join_sync", args=("127.0.0.1", port, 1, 2, 60.0, 4096, "gloo"))
-    received = llm.collective_rpc("hpcrl_receive_weights")[0]
+    assert llm.collective_rpc("hpcrl_open_sync", args=(setup.as_dict(), 0)) == [1]
+    received = llm.collective_rpc("hpcrl_load_weights", args=(transports.Handoff("process_group").as_dict(),))[0]
     thread.join(timeout=60)
     llm.reset_prefix_cache()
     assert received["bytes"] == sent["bytes"] > 0

@@ -73,6 +73,7 @@ def test_first_update_step_equals_an_independent_gradient_and_adamw_step(write_e
         key = name if name in after else name.removeprefix("model.")
         g = g * 0.5 / (norm + 1e-6)  # DeepSpeed's gradient clipping
         expected = before[name] * (1 - LR * WEIGHT_DECAY) - LR * g / (g.abs() + EPS)
-        clear = g.abs() > 1e-6 * largest  # entries whose sign float32 rounding cannot flip
+        # entries whose Adam step (about lr * g / |g|) float32 rounding of the gradient cannot move by lr * 1e-3
+        clear = g.abs() > 1e-4 * largest
         np.testing.assert_allclose(after[key][clear].numpy(), expected[clear].numpy(), atol=LR * 1e-3, err_msg=name)
         assert float((after[key] - expected).abs().max()) <= 2 * LR + 1e-9, name  # no step is larger than lr

@@ -1,5 +1,6 @@
 """Weight transport between processes: a dedicated gloo group, the shared-memory buffer and the
-filesystem fallback deliver the trainer's tensors bit-identical (bucketed or per tensor)."""
+filesystem fallback deliver the trainer's tensors bit-identical (bucketed or per tensor), each
+also through the one transport interface the resident mode uses (hpcrl.transports)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import multiprocessing as mp
 import pytest
 import torch
 
+from hpcrl import transports
 from hpcrl.distributed import free_port
-from hpcrl.weight_sync import FilesystemSync, ProcessGroupSync, SharedMemorySync, make_group, transport
+from hpcrl.weight_sync import FilesystemSync, ProcessGroupSync, SharedMemorySync, make_group
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -107,10 +109,73 @@ def test_shared_memory_refuses_weights_that_grew():
 
 
 def test_auto_transport_is_shared_memory_on_one_cpu_node_else_a_process_group():
-    assert transport("auto", "n1", "n1", cuda=False) == "shared_memory"
-    assert transport("auto", "n1", "n2", cuda=False) == "process_group"
-    assert transport("auto", "n1", "n1", cuda=True) == "process_group"
-    assert transport("filesystem", "n1", "n1", cuda=False) == "filesystem"
+    assert transports.choose("auto", "n1", "n1", cuda=False) == "shared_memory"
+    assert transports.choose("auto", "n1", "n2", cuda=False) == "process_group"
+    assert transports.choose("auto", "n1", "n1", cuda=True) == "process_group"
+    assert transports.choose("filesystem", "n1", "n1", cuda=False) == "filesystem"
+    with pytest.raises(RuntimeError, match="needs trainer 0 and the generator on one node; they are on n1 and n2"):
+        transports.choose("shared_memory", "n1", "n2", cuda=False)
+
+
+def test_the_sync_group_has_a_rank_per_engine_worker_after_the_trainer():
+    layout = transports.SyncLayout(engines=2, tp=2)
+    assert layout.world_size == 5
+    assert [layout.rank(e, t) for e in range(2) for t in range(2)] == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="no worker 2 of engine 0"):
+        layout.rank(0, 2)
+    assert transports.SyncSetup("process_group", tp=4).layout.world_size == 5
+
+
+@pytest.mark.parametrize("name", ["shared_memory", "filesystem"])
+def test_each_transport_hands_over_bit_identical_tensors_through_the_interface(name, tmp_path):
+    state = _state()
+    setup = transports.SyncSetup(name, directory=str(tmp_path / "weights"))
+    sender, receiver = transports.make(setup), transports.make(setup.as_dict())  # the worker gets a dict
+    sender.open_sender()
+    receiver.open_receiver(0, 0)
+    for scale in (1, 2):  # the second sync rewrites what the first delivered
+        handoff = sender.send((k, v * scale) for k, v in state.items())
+        assert handoff.transport == name and handoff.bytes == sum(t.numel() * t.element_size() for t in state.values())
+        got = dict(receiver.receive(transports.Handoff(**handoff.as_dict())))
+        assert set(got) == set(state) and all(_raw(got[k]) == _raw(v * scale) for k, v in state.items())
+        assert name == "filesystem" or list(got) == list(state)  # safetensors files keep no order
+    with pytest.raises(ValueError, match="unknown weight-sync transport 'carrier_pigeon'"):
+        transports.make(transports.SyncSetup("carrier_pigeon"))
+
+
+def _tp_receiver(setup: dict, tp_rank: int, out) -> None:
+    receiver = transports.make(setup)
+    receiver.open_receiver(0, tp_rank)
+    got = receiver.receive(transports.Handoff("process_group"))
+    out.put((tp_rank, {k: _raw(v) for k, v in got}))
+
+
+def test_a_process_group_reaches_every_tensor_parallel_worker_of_an_engine():
+    """Two workers of one engine (tensor parallel 2) each join the group as their own rank (1, 2)
+    and each receive every tensor: a group sized for one receiver would never form."""
+    ctx = mp.get_context("spawn")
+    port, out = free_port(), ctx.Queue()
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, None, is_master=True, timeout=timedelta(seconds=60),
+                          wait_for_workers=False)
+    setup = transports.SyncSetup("process_group", "127.0.0.1", port, tp=2, timeout_s=60, bucket_bytes=4096)
+    procs = [ctx.Process(target=_tp_receiver, args=(setup.as_dict(), t, out)) for t in range(2)]
+    for proc in procs:
+        proc.start()
+    sender = transports.make(setup)
+    sender.open_sender(store)
+    state = _state()
+    sent = sender.send(state.items())
+    got = dict(out.get(timeout=60) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=30)
+        assert proc.exitcode == 0
+    assert sent.bytes == sum(t.numel() * t.element_size() for t in state.values())
+    for tp_rank in range(2):
+        assert got[tp_rank] == {k: _raw(v) for k, v in state.items()}, tp_rank
 
 
 def _logprobs(model, sequences: list[list[int]]) -> list[list[float]]:

@@ -22,22 +22,22 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from hpcrl import commit, trainer
+from hpcrl import batches, commit
 from hpcrl.batches import collate, micro_batches, padded, response_values
 from hpcrl.config import load
 from hpcrl.critic import load_value_model
 from hpcrl.rundir import RunDir
 
 
-def run_batch(run: RunDir, k: int) -> tuple[trainer.Samples, dict[int, list[float]]]:
+def run_batch(run: RunDir, k: int) -> tuple[batches.Samples, dict[int, list[float]]]:
     """Iteration k's update batch and its outcome returns (the sample's reward at each token)."""
-    s = trainer.load_samples(commit.read_table(run.stage_dir(k, "generate"), "rollouts"),
+    s = batches.load_samples(commit.read_table(run.stage_dir(k, "generate"), "rollouts"),
                              commit.read_table(run.stage_dir(k, "score"), "scores"))
     return s, {i: [float(s.rewards[i])] * len(s.response_ids[i]) for i in range(len(s))}
 
 
 def sample_rollouts(policy, tokenizer, prompts: list[list[int]], answers: list[str], n: int, max_tokens: int,
-                    pad: int) -> trainer.Samples:
+                    pad: int) -> batches.Samples:
     """n responses per prompt (temperature 1), each ending at EOS or max_tokens, scored by exact match."""
     eos = tokenizer.eos_token_id
     p_ids, r_ids, rewards = [], [], []
@@ -57,7 +57,7 @@ def sample_rollouts(policy, tokenizer, prompts: list[list[int]], answers: list[s
                     p_ids.append(p)
                     r_ids.append(response)
                     rewards.append(float(text.strip() == answers[start + b].strip()))
-    return trainer.Samples(None, p_ids, r_ids, [], torch.tensor(rewards, dtype=torch.float64), torch.zeros(0))
+    return batches.Samples(None, p_ids, r_ids, [], torch.tensor(rewards, dtype=torch.float64), torch.zeros(0))
 
 
 def explained_variances(model, batches, pad: int) -> list[float]:

@@ -1,0 +1,193 @@
+"""How the resident mode's weights travel from trainer 0 to the vLLM workers: one interface, a
+registry of transports by name (`executor.weight_sync`), and the rank arithmetic of the
+weight-sync group.
+
+A `Transport` has a send side (trainer 0: `open_sender`, then `send` per update, which returns
+a `Handoff`) and a load side (inside each vLLM worker: `open_receiver`, then `receive(handoff)`
+per update, which yields the tensors for vLLM's in-place reload; hpcrl.vllm_ext). A transport
+that `streams` (the process group) delivers while the sender sends, so the generator starts the
+load before trainer 0 replies; the others are loaded after the reply, from what the Handoff
+names. The byte-moving mechanisms themselves are hpcrl.weight_sync's.
+
+The weight-sync group (`SyncLayout`): trainer 0 is rank 0 and sends; engine e's tensor-parallel
+worker t is rank 1 + e * tp + t, each its own receiver.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from hpcrl import weight_sync
+from hpcrl.weight_sync import Named
+
+
+@dataclass(frozen=True)
+class SyncLayout:
+    """The ranks of the weight-sync group: trainer 0, then `engines` x `tp` vLLM workers."""
+
+    engines: int = 1
+    tp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return 1 + self.engines * self.tp
+
+    def rank(self, engine: int, tp_rank: int) -> int:
+        if not (0 <= engine < self.engines and 0 <= tp_rank < self.tp):
+            raise ValueError(f"no worker {tp_rank} of engine {engine} in {self.engines} engine(s) x {self.tp} rank(s)")
+        return 1 + engine * self.tp + tp_rank
+
+
+@dataclass(frozen=True)
+class SyncSetup:
+    """What both ends agree on before the first sync; sent to vLLM's workers as a dict."""
+
+    transport: str
+    host: str = ""  # the run's store (process group)
+    port: int = 0
+    engines: int = 1
+    tp: int = 1
+    timeout_s: float = 300.0
+    bucket_bytes: int = 64 << 20
+    backend: str = "gloo"  # nccl between GPUs
+    directory: str = ""  # where the filesystem transport writes
+
+    @property
+    def layout(self) -> SyncLayout:
+        return SyncLayout(self.engines, self.tp)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Handoff:
+    """What one sync hands the load side: the bytes sent and where to read them."""
+
+    transport: str
+    bytes: int = 0
+    path: str = ""  # shared memory: the sender's buffer; filesystem: the directory
+    header: list = field(default_factory=list)  # shared memory: name, dtype, shape, offset per tensor
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Transport(ABC):
+    name: ClassVar[str]
+    streams: ClassVar[bool] = False  # the load side receives while the send side sends
+
+    def __init__(self, setup: SyncSetup):
+        self.setup = setup
+
+    def open_sender(self, store=None, device: str = "cpu") -> None:  # noqa: B027  (an optional hook)
+        """Trainer 0, once before the first send (`store`: the run's store, for a process group)."""
+
+    def open_receiver(self, engine: int, tp_rank: int, device: str = "cpu") -> None:  # noqa: B027  (an optional hook)
+        """A vLLM worker, once before the first load."""
+
+    @abstractmethod
+    def send(self, tensors: Iterable[Named]) -> Handoff:
+        """Trainer 0: the whole set of weights out."""
+
+    @abstractmethod
+    def receive(self, handoff: Handoff) -> Iterator[Named]:
+        """A vLLM worker: the tensors of one sync, in the sender's order."""
+
+
+TRANSPORTS: dict[str, type[Transport]] = {}
+
+
+def register(name: str) -> Callable[[type[Transport]], type[Transport]]:
+    def wrap(cls: type[Transport]) -> type[Transport]:
+        cls.name = name
+        TRANSPORTS[name] = cls
+        return cls
+
+    return wrap
+
+
+def make(setup: SyncSetup | dict) -> Transport:
+    setup = setup if isinstance(setup, SyncSetup) else SyncSetup(**setup)
+    if setup.transport not in TRANSPORTS:
+        raise ValueError(f"unknown weight-sync transport {setup.transport!r}; registered: {', '.join(TRANSPORTS)}")
+    return TRANSPORTS[setup.transport](setup)
+
+
+def choose(setting: str, trainer_host: str, generator_host: str, cuda: bool) -> str:
+    """The transport a resident job uses (`executor.weight_sync`); "auto": shared memory when
+    trainer 0 and the generator share a node and the weights are on CPU, else a process group
+    (NCCL between GPUs, gloo across nodes). Shared memory across nodes is refused."""
+    if setting == "auto":
+        same_cpu_node = trainer_host == generator_host and not cuda and hasattr(os, "memfd_create")
+        return "shared_memory" if same_cpu_node else "process_group"
+    if setting == "shared_memory" and trainer_host != generator_host:
+        raise RuntimeError(f"executor.weight_sync = \"shared_memory\" needs trainer 0 and the generator on one node; "
+                           f"they are on {trainer_host} and {generator_host}: use \"process_group\" or \"auto\"")
+    return setting
+
+
+@register("process_group")
+class ProcessGroupTransport(Transport):
+    """Broadcast in buckets over a group of its own (hpcrl.weight_sync.ProcessGroupSync)."""
+
+    streams = True
+
+    def open_sender(self, store=None, device: str = "cpu") -> None:
+        s = self.setup
+        pg = weight_sync.group_on(store, 0, s.layout.world_size, s.timeout_s, s.backend)
+        self.sync = weight_sync.ProcessGroupSync(pg, 0, s.bucket_bytes, device)
+
+    def open_receiver(self, engine: int, tp_rank: int, device: str = "cpu") -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        s = self.setup
+        rank = s.layout.rank(engine, tp_rank)
+        self.store = dist.TCPStore(s.host, s.port, is_master=False, timeout=timedelta(seconds=s.timeout_s),
+                                   wait_for_workers=False)
+        pg = weight_sync.group_on(self.store, rank, s.layout.world_size, s.timeout_s, s.backend)
+        self.sync = weight_sync.ProcessGroupSync(pg, rank, s.bucket_bytes, device)
+
+    def send(self, tensors: Iterable[Named]) -> Handoff:
+        return Handoff(self.name, self.sync.send(tensors))
+
+    def receive(self, handoff: Handoff) -> Iterator[Named]:
+        return self.sync.receive()
+
+
+@register("shared_memory")
+class SharedMemoryTransport(Transport):
+    """One memory file of trainer 0, mapped by the workers on its node (hpcrl.weight_sync.SharedMemorySync)."""
+
+    buffer = None
+
+    def open_sender(self, store=None, device: str = "cpu") -> None:
+        self.sync = weight_sync.SharedMemorySync()
+
+    def send(self, tensors: Iterable[Named]) -> Handoff:
+        nbytes, header = self.sync.send(tensors)
+        return Handoff(self.name, nbytes, self.sync.path, header)
+
+    def receive(self, handoff: Handoff) -> Iterator[Named]:
+        if self.buffer is None:  # mapped once: the sender rewrites the same buffer in place
+            self.buffer = weight_sync.SharedMemorySync.map(handoff.path, handoff.header)
+        return weight_sync.SharedMemorySync.receive(self.buffer, handoff.header)
+
+
+@register("filesystem")
+class FilesystemTransport(Transport):
+    """safetensors in `directory`, written by trainer 0 and read back (hpcrl.weight_sync.FilesystemSync)."""
+
+    def send(self, tensors: Iterable[Named]) -> Handoff:
+        nbytes = weight_sync.FilesystemSync(self.setup.directory).send(tensors)
+        return Handoff(self.name, nbytes, self.setup.directory)
+
+    def receive(self, handoff: Handoff) -> Iterator[Named]:
+        return weight_sync.FilesystemSync(Path(handoff.path)).receive()
