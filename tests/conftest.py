@@ -28,7 +28,8 @@ def load_tool(name: str):
 def tiny_task() -> Path:
     """The demo task's model and data, built by tools/build_tiny_task.py (cached across runs)."""
     out = Path(os.environ.get("HPCRL_TINY_TASK_DIR", REPO / ".cache" / "tiny-addition"))
-    subprocess.run([sys.executable, str(REPO / "tools" / "build_tiny_task.py"), "--out", str(out)], check=True)
+    subprocess.run([sys.executable, str(REPO / "tools" / "build_tiny_task.py"), "--out", str(out)],
+                   check=True)
     return out
 
 

@@ -98,8 +98,8 @@ def rollouts_table(k: int, n_train: int, n_val: int, *, group_size: int = 8, max
         "response_ids": _lists(response_len, tokens.slice(int(prompt_len.sum())), pa.list_(pa.int32())),
         "logprobs": _lists(response_len, logprobs, pa.list_(pa.float32())),
         "response_text": response_text,
-        "finish_reason": pa.DictionaryArray.from_arrays(pa.array((response_len >= max_tokens).astype(np.int8)),
-                                                        ["stop", "length"]),
+        "finish_reason": pa.DictionaryArray.from_arrays(
+            pa.array((response_len >= max_tokens).astype(np.int8)), ["stop", "length"]),
         "policy_version": pa.array(np.full(n, k, np.int32)),
         "round": pa.array(np.zeros(n, np.int32)),
         "kept": pa.array(np.arange(n) < n_train),
@@ -152,12 +152,14 @@ def _inputs(run: RunDir, *deps: tuple[int, str]) -> dict[str, str]:
     return {f"{s}@iter_{i:06d}": commit.manifest_digest(run.stage_dir(i, s)) for i, s in deps if i >= 0}
 
 
-def commit_generate(run: RunDir, exp: Experiment, k: int, rollouts: pa.Table, rng: np.random.Generator) -> dict:
+def commit_generate(run: RunDir, exp: Experiment, k: int, rollouts: pa.Table,
+                    rng: np.random.Generator) -> dict:
     """Commit a rollouts table with the metrics stages/generate records."""
     lengths = rollouts["response_ids"].combine_chunks().value_lengths().to_numpy()
     train = (rollouts["split"].to_numpy(zero_copy_only=False) == "train")
     t = _timings(rng, 20.0)
-    m = {"perf/generated_tokens": float(lengths.sum()), "perf/throughput": float(lengths.sum() / t["compute"])}
+    m = {"perf/generated_tokens": float(lengths.sum()),
+         "perf/throughput": float(lengths.sum() / t["compute"])}
     if train.any():
         finish = rollouts["finish_reason"].to_numpy(zero_copy_only=False)[train]
         m.update({"response_length/mean": float(lengths[train].mean()),
@@ -171,7 +173,8 @@ def commit_generate(run: RunDir, exp: Experiment, k: int, rollouts: pa.Table, rn
 def commit_score(run: RunDir, k: int, rollouts: pa.Table, scores: pa.Table, rng: np.random.Generator) -> dict:
     """Commit a scores table with the metrics the score stage records (hpcrl.scoring.metrics)."""
     return _commit(run, k, "score", {"scores": scores}, scoring.metrics(rollouts, scores),
-                   {"policy_version": k, "timings": _timings(rng, 1.0), "inputs": _inputs(run, (k, "generate"))})
+                   {"policy_version": k, "timings": _timings(rng, 1.0),
+                    "inputs": _inputs(run, (k, "generate"))})
 
 
 def commit_update(run: RunDir, exp: Experiment, k: int, rollouts: pa.Table, scores: pa.Table,
@@ -189,8 +192,10 @@ def commit_update(run: RunDir, exp: Experiment, k: int, rollouts: pa.Table, scor
     stats = pa.table({
         "step": np.arange(steps, dtype=np.int32), "epoch": np.zeros(steps, np.int32),
         "loss": rng.normal(0, 0.05, steps), "pg_loss": rng.normal(0, 0.05, steps),
-        "pg_clipfrac": 0.02 * decay + 0.005 * rng.random(steps), "ppo_kl": 2e-3 * decay + 5e-4 * rng.random(steps),
-        "kl_ref": (1e-2 * (1 - decay) + 1e-3 * rng.random(steps)) if exp.algorithm.kl_coef > 0 else np.zeros(steps),
+        "pg_clipfrac": 0.02 * decay + 0.005 * rng.random(steps),
+        "ppo_kl": 2e-3 * decay + 5e-4 * rng.random(steps),
+        "kl_ref": (1e-2 * (1 - decay) + 1e-3 * rng.random(steps)) if exp.algorithm.kl_coef > 0
+        else np.zeros(steps),
         "entropy": 0.3 * decay + 0.05 * rng.random(steps), "grad_norm": 1 + 2 * rng.random(steps),
         "lr": np.full(steps, exp.update.lr), "tokens": np.full(steps, 1000, np.int64),
         **{c: pa.nulls(steps, pa.float64()) for c in ("vf_loss", "vf_clipfrac", "vf_grad_norm")}})
@@ -199,10 +204,12 @@ def commit_update(run: RunDir, exp: Experiment, k: int, rollouts: pa.Table, scor
                            "old_logprobs": train["logprobs"],
                            "ref_logprobs": train["logprobs"] if exp.algorithm.kl_coef > 0
                            else pa.nulls(n, pa.list_(pa.float32())),
-                           **{c: pa.nulls(n, pa.list_(pa.float32())) for c in ("token_advantages", "values", "returns")}})
+                           **{c: pa.nulls(n, pa.list_(pa.float32()))
+                              for c in ("token_advantages", "values", "returns")}})
     mean = {c: float(np.mean(stats[c].to_numpy())) for c in stats.column_names}
     t = _timings(rng, 15.0)
-    m = {"actor/loss": mean["loss"], "actor/pg_loss": mean["pg_loss"], "actor/pg_clipfrac": mean["pg_clipfrac"],
+    m = {"actor/loss": mean["loss"], "actor/pg_loss": mean["pg_loss"],
+         "actor/pg_clipfrac": mean["pg_clipfrac"],
          "actor/ppo_kl": mean["ppo_kl"], "actor/kl_loss": mean["kl_ref"], "actor/entropy": mean["entropy"],
          "actor/grad_norm": mean["grad_norm"], "actor/lr": mean["lr"], "rollout/logprob_diff_mean": 1e-7,
          "rollout/logprob_diff_max": 1e-6, "perf/update_tokens_per_s": mean["tokens"] * steps / t["compute"]}

@@ -121,7 +121,8 @@ def test_reinforce_pp_whitens_group_centred_rewards_over_the_batch():
 def test_estimator_registry_names_every_estimator():
     assert set(advantages.ESTIMATORS) == {"grpo", "rloo", "reinforce_pp"}
     r, g = torch.tensor([1.0, 0.0]), torch.tensor([0, 0])
-    assert advantages.compute("grpo", r, g, norm_by_std=False).tolist() == pytest.approx([0.5, -0.5])  # Dr.GRPO
+    # Dr.GRPO
+    assert advantages.compute("grpo", r, g, norm_by_std=False).tolist() == pytest.approx([0.5, -0.5])
     with pytest.raises(ValueError, match="unknown advantage estimator 'ppo2'"):
         advantages.compute("ppo2", r, g)
 
@@ -169,13 +170,15 @@ def test_clip_higher_and_dual_clip_by_hand():
     # token 1: A>0, ratio 1.5 -> clipped at 1.28 -> -1.28; token 2: A<0, ratio 5 -> max(5, 1.2) = 5
     assert out.loss.item() == pytest.approx((-1.28 + 5.0) / 2)
     dual = losses.ppo_clip(logp, old, adv, mask, clip_ratio=0.2, clip_high=0.28, dual_clip_c=3.0)
-    assert dual.loss.item() == pytest.approx((-1.28 + 3.0) / 2)  # the negative-advantage loss is capped at c|A|
+    # the negative-advantage loss is capped at c|A|
+    assert dual.loss.item() == pytest.approx((-1.28 + 3.0) / 2)
 
 
 def test_entropy_bonus_lowers_the_loss_by_its_coefficient():
     logp = torch.zeros(1, 2)
     ent = torch.tensor([[0.5, 1.5]])
-    out = losses.ppo_clip(logp, logp.clone(), torch.ones(1), torch.ones(1, 2), 0.2, token_entropy=ent, entropy_coef=0.1)
+    out = losses.ppo_clip(logp, logp.clone(), torch.ones(1), torch.ones(1, 2), 0.2, token_entropy=ent,
+                          entropy_coef=0.1)
     assert out.pg_loss.item() == pytest.approx(-1.0)  # ratio 1, advantage 1
     assert out.loss.item() == pytest.approx(-1.0 - 0.1 * 1.0)  # token mean entropy 1.0
 
@@ -204,8 +207,8 @@ def test_value_loss_is_the_same_with_one_or_two_ranks(mode):
     mask = (torch.rand(8, 5) > 0.3).float()
     n = mask.sum().item()
     whole = losses.value_loss(v, old, ret, mask, 0.2, n_tokens=n, agg=mode, n_seqs=8).loss
-    parts = sum(losses.value_loss(v[i:i + 2], old[i:i + 2], ret[i:i + 2], mask[i:i + 2], 0.2, n_tokens=n, agg=mode,
-                                  n_seqs=8).loss
+    parts = sum(losses.value_loss(v[i:i + 2], old[i:i + 2], ret[i:i + 2], mask[i:i + 2], 0.2, n_tokens=n,
+                                  agg=mode, n_seqs=8).loss
                 for i in range(0, 8, 2))
     assert parts.item() == pytest.approx(whole.item(), abs=1e-6)
 
@@ -218,7 +221,8 @@ def test_explained_variance_by_hand():
     assert losses.explained_variance(values, returns, mask) == pytest.approx(0.5)
     assert losses.explained_variance(returns, returns, mask) == pytest.approx(1.0)
     assert losses.explained_variance(torch.full_like(values, 0.5), returns, mask) == pytest.approx(0.0)
-    assert math.isnan(losses.explained_variance(values, torch.ones_like(returns), mask))  # returns do not vary
+    # returns do not vary
+    assert math.isnan(losses.explained_variance(values, torch.ones_like(returns), mask))
 
 
 def test_token_rewards_put_the_outcome_on_the_last_token_and_kl_on_every_token():
@@ -291,8 +295,8 @@ def test_estimators_normalise_by_std_by_default():
     r, g = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.zeros(4, dtype=torch.long)
     # mean 0.25, unbiased std 0.5: (0.75, -0.25, -0.25, -0.25) / 0.5
     assert advantages.compute("grpo", r, g).tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-5)
-    assert advantages.compute("grpo", r, g, norm_by_std=True).tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5],
-                                                                                        abs=1e-5)
+    assert (advantages.compute("grpo", r, g, norm_by_std=True).tolist()
+            == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-5))
 
 
 def test_gae_defaults_to_the_undiscounted_reward_to_go():
@@ -310,7 +314,8 @@ def test_gae_skips_a_masked_hole_inside_a_response():
     rewards = torch.tensor([[0.0, 9.0, 1.0]], dtype=torch.float64)
     values = torch.tensor([[0.5, 9.0, 0.7]], dtype=torch.float64)
     adv, ret = advantages.gae(rewards, values, torch.tensor([[1.0, 0.0, 1.0]]), gamma=0.9, lam=0.5)
-    # without the hole: delta1 = 1 - 0.7 = 0.3, A1 = 0.3; delta0 = 0 + 0.9 * 0.7 - 0.5 = 0.13, A0 = 0.13 + 0.45 * 0.3
+    # without the hole: delta1 = 1 - 0.7 = 0.3, A1 = 0.3;
+    # delta0 = 0 + 0.9 * 0.7 - 0.5 = 0.13, A0 = 0.13 + 0.45 * 0.3
     assert adv[0].tolist() == pytest.approx([0.13 + 0.45 * 0.3, 0.0, 0.3])
     assert ret[0].tolist() == pytest.approx([0.13 + 0.45 * 0.3 + 0.5, 0.0, 1.0])
 
@@ -413,7 +418,8 @@ def test_ppo_clip_defaults_and_switches():
     kl = losses.ppo_clip(logp, old, adv, mask, ref_logp=ref, kl_coef=0.5)
     assert kl.loss.item() == pytest.approx(plain.loss.item() + 0.5 * k3)
     assert kl.kl_ref.item() == pytest.approx(k3)
-    ent = losses.ppo_clip(logp, old, adv, mask, token_entropy=torch.tensor([[0.5, 1.5]]) * 2, entropy_coef=0.5)
+    ent = losses.ppo_clip(logp, old, adv, mask, token_entropy=torch.tensor([[0.5, 1.5]]) * 2,
+                          entropy_coef=0.5)
     assert ent.loss.item() == pytest.approx(plain.loss.item() - 0.5 * 2.0)  # token-mean entropy 2
 
 
@@ -450,8 +456,10 @@ def test_float64_inputs_give_float64_statistics():
     """pins: kl_ref (without a reference) and the value clipfrac (without clipping) are zeros of the
     inputs' dtype, like every other statistic."""
     logp = torch.zeros(1, 2, dtype=torch.float64)
-    out = losses.ppo_clip(logp, logp.clone(), torch.ones(1, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64))
-    assert [t.dtype for t in (out.loss, out.pg_loss, out.clipfrac, out.ppo_kl, out.kl_ref)] == [torch.float64] * 5
+    out = losses.ppo_clip(logp, logp.clone(), torch.ones(1, dtype=torch.float64),
+                          torch.ones(1, 2, dtype=torch.float64))
+    assert ([t.dtype for t in (out.loss, out.pg_loss, out.clipfrac, out.ppo_kl, out.kl_ref)]
+            == [torch.float64] * 5)
     v = losses.value_loss(logp, logp, logp + 1, torch.ones(1, 2, dtype=torch.float64))
     assert (v.loss.dtype, v.clipfrac.dtype) == (torch.float64, torch.float64)
 

@@ -29,7 +29,8 @@ def test_a_non_finite_number_is_refused(write_experiment, section, key, value):
     path = write_experiment(**{section: {key: value}})
     with pytest.raises(ConfigError) as err:
         config.load(path)
-    assert str(path) in str(err.value) and f"{section}.{key}: Input should be a finite number" in str(err.value)
+    assert (str(path) in str(err.value)
+            and f"{section}.{key}: Input should be a finite number" in str(err.value))
 
 
 def test_a_non_finite_reward_weight_is_refused(write_experiment):
@@ -39,7 +40,8 @@ def test_a_non_finite_reward_weight_is_refused(write_experiment):
 
 
 SBATCH_EXTRA = [
-    ({"exclude\ntouch /tmp/hpcrl-pwned\n#": "n1"}, "is not an sbatch option name"),  # a key that starts a shell line
+    # a key that starts a shell line
+    ({"exclude\ntouch /tmp/hpcrl-pwned\n#": "n1"}, "is not an sbatch option name"),
     ({"--exclude": "n1"}, "is not an sbatch option name"),
     ({"Exclude": "n1"}, "is not an sbatch option name"),
     ({"": "n1"}, "is not an sbatch option name"),
@@ -61,14 +63,15 @@ def test_sbatch_options_that_could_reach_a_shell_are_refused(write_experiment, e
 
 
 def test_plain_sbatch_options_are_accepted(write_experiment):
-    exp = config.load(write_experiment(executor={"update": {"extra": {"exclude": "n[1-3]", "gres-flags": "enforce-binding"}}}))
+    exp = config.load(write_experiment(executor={"update": {"extra": {"exclude": "n[1-3]",
+                                                                      "gres-flags": "enforce-binding"}}}))
     assert exp.executor.update.extra == {"exclude": "n[1-3]", "gres-flags": "enforce-binding"}
 
 
 def test_submit_names_a_bad_sbatch_key_in_one_line(write_experiment, tmp_path):
     path = write_experiment(executor={"update": {"extra": {"exclude\ntouch x": "n1"}}})
-    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", "--dry-run", str(path)], capture_output=True,
-                         text=True)
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", "--dry-run", str(path)],
+                         capture_output=True, text=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert str(path) in out.stderr and "executor.update.extra" in out.stderr
     assert not (tmp_path / "runs").exists()  # refused before anything was created
@@ -98,5 +101,5 @@ def test_a_reward_that_is_not_a_finite_number_is_refused_naming_the_function_and
     row = rollouts.slice(5, 1).to_pylist()[0]
     with pytest.raises(ValueError) as err:
         scoring.score(rollouts, {"my_rewards:judge": source}, {"my_rewards:judge": 1.0})
-    assert str(err.value) == (f"reward source 'my_rewards:judge' {says}, for train prompt {row['prompt_index']} "
-                              f"sample {row['sample_index']}; nothing is committed")
+    assert str(err.value) == (f"reward source 'my_rewards:judge' {says}, for train prompt "
+                              f"{row['prompt_index']} sample {row['sample_index']}; nothing is committed")

@@ -46,9 +46,11 @@ def _logprobs_and_grads(model, mb, weights: dict[int, list[float]]):
 def test_shared_prompts_give_the_plain_logprobs_and_gradients(policy):
     samples = _samples(policy.config.vocab_size)
     rows = list(range(len(samples)))
-    weights = {i: [(-1.0) ** (i + t) * (1 + t) for t in range(len(r))] for i, r in enumerate(samples.response_ids)}
+    weights = {i: [(-1.0) ** (i + t) * (1 + t) for t in range(len(r))]
+               for i, r in enumerate(samples.response_ids)}
     shared = collate(samples, rows, 0, share_prompts=True)
-    assert shared.prompts is not None and shared.prompts.input_ids.shape[0] == 4  # 13 rows, 4 distinct prompts
+    # 13 rows, 4 distinct prompts
+    assert shared.prompts is not None and shared.prompts.input_ids.shape[0] == 4
     plain_lp, plain_grads = _logprobs_and_grads(policy, collate(samples, rows, 0), weights)
     shared_lp, shared_grads = _logprobs_and_grads(policy, shared, weights)
     for i in rows:
@@ -77,7 +79,8 @@ def test_the_value_model_shares_prompts_too(tiny_task):
     samples = _samples(model.backbone.config.vocab_size)
     rows = list(range(len(samples)))
     with torch.no_grad():
-        plain = response_values(response_outputs(model, collate(samples, rows, 0), "values"), collate(samples, rows, 0))
+        plain = response_values(response_outputs(model, collate(samples, rows, 0), "values"),
+                                collate(samples, rows, 0))
         mb = collate(samples, rows, 0, share_prompts=True)
         shared = response_values(response_outputs(model, mb, "values"), mb)
     for p, s in zip(plain, shared, strict=True):

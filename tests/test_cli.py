@@ -5,7 +5,8 @@ import sys
 
 
 def hpcrl(*args):
-    return subprocess.run([sys.executable, "-m", "hpcrl.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "hpcrl.cli", *args], capture_output=True, text=True,
+                          timeout=300)
 
 
 def test_doctor_reports_versions_and_backends():
@@ -21,7 +22,8 @@ def test_doctor_reports_versions_and_backends():
 def test_config_prints_every_section():
     out = hpcrl("config")
     assert out.returncode == 0
-    for section in ("run", "model", "data", "algorithm", "generate", "reward", "update", "executor", "tracking"):
+    for section in ("run", "model", "data", "algorithm", "generate", "reward", "update", "executor",
+                    "tracking"):
         assert f"[{section}]" in out.stdout
 
 
@@ -51,7 +53,8 @@ def test_submit_set_overrides_keys_and_names_a_bad_one(write_experiment, tmp_pat
     assert frozen["update"]["lr"] == 3e-5 and frozen["executor"]["kind"] == "slurm"
     assert frozen["algorithm"]["loss_agg"] == "seq-mean-token-mean"  # a bare string is taken as one
     assert not (tmp_path / "runs" / "base").exists()
-    for bad, says in (("update.lrr=1", "update.lrr: unknown key in [update]"), ("updat.lr=1", "updat.lr: unknown key"),
+    for bad, says in (("update.lrr=1", "update.lrr: unknown key in [update]"),
+                      ("updat.lr=1", "updat.lr: unknown key"),
                       ("update.lr", "expected KEY=VALUE"), ("update.lr=fast", "update.lr")):
         out = hpcrl("submit", str(path), "--dry-run", "--set", bad)
         assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, (bad, out.stderr)
@@ -68,7 +71,8 @@ def test_a_dry_run_leaves_an_existing_run_byte_identical(write_experiment, tmp_p
     run = make_run(tmp_path / "runs" / "r", iterations=2, rows=32, val_rows=8, group_size=4)
 
     def tree() -> dict:
-        return {p.relative_to(run.root): (p.read_bytes() if p.is_file() else None) for p in sorted(run.root.rglob("*"))}
+        return {p.relative_to(run.root): (p.read_bytes() if p.is_file() else None)
+                for p in sorted(run.root.rglob("*"))}
 
     before = tree()
     assert run.iteration_dir(2).exists()  # the final validation

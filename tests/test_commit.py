@@ -17,7 +17,8 @@ from hpcrl.rundir import RunDir, RunLock, RunLockedError
 
 def _scores(n=3):
     return pa.table({"split": ["train"] * n, "prompt_index": list(range(n)), "sample_index": [0] * n,
-                     "reward": [1.0] * n, "reward_components": pa.array([[("a", 1.0)]] * n, pa.map_(pa.string(), pa.float64())),
+                     "reward": [1.0] * n,
+                     "reward_components": pa.array([[("a", 1.0)]] * n, pa.map_(pa.string(), pa.float64())),
                       "reward_message": [""] * n})
 
 
@@ -131,7 +132,8 @@ def test_second_controller_is_refused_and_the_lock_survives_a_killed_holder(tmp_
     """A controller killed with SIGKILL (no cleanup runs) does not wedge the run: the kernel
     releases its flock, and the next controller takes the run."""
     run = RunDir.at(tmp_path)
-    holder = _hold_in_child(f"from hpcrl.rundir import RunDir, RunLock\nRunLock(RunDir.at({str(tmp_path)!r})).acquire()")
+    holder = _hold_in_child("from hpcrl.rundir import RunDir, RunLock\n"
+                            f"RunLock(RunDir.at({str(tmp_path)!r})).acquire()")
     try:
         with pytest.raises(RunLockedError, match=rf"already driven by another controller \(pid {holder.pid}"):
             RunLock(run).acquire()
@@ -194,7 +196,8 @@ def test_an_open_stage_holds_its_lock_until_a_later_commit_from_another_thread(t
     from tests.synthetic_run import write_config
 
     clock = _Clock()
-    monkeypatch.setattr(stage, "time", types.SimpleNamespace(perf_counter=clock.perf_counter, time=stage.time.time))
+    monkeypatch.setattr(stage, "time", types.SimpleNamespace(perf_counter=clock.perf_counter,
+                                                             time=stage.time.time))
     root = tmp_path / "r"
     write_config(root, 1)
     first = OpenStage("score", root, 0, startup=0.0)

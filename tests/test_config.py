@@ -60,7 +60,8 @@ def test_dataset_without_prompt_column(write_experiment, tmp_path):
 
 
 def test_plain_columns_and_jsonl_are_accepted(write_experiment, tmp_path):
-    pq.write_table(pa.table({"prompt": [f"{i}+1=" for i in range(8)], "answer": [str(i + 1) for i in range(8)]}),
+    pq.write_table(pa.table({"prompt": [f"{i}+1=" for i in range(8)],
+                             "answer": [str(i + 1) for i in range(8)]}),
                    tmp_path / "plain.parquet")
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "2+2=", "answer": "4"}) + "\n")
     exp = _load_checked(write_experiment(data={"train": str(tmp_path / "plain.parquet"),
@@ -75,8 +76,8 @@ def test_tokenizer_that_does_not_match_the_model(write_experiment, tiny_task, tm
     cfg["vocab_size"] = 16
     (model / "config.json").write_text(json.dumps(cfg))
     path = write_experiment(model={"path": str(model), "tokenizer": str(tiny_task / "model")})
-    with pytest.raises(ConfigError, match=r"model\.tokenizer: the tokenizer .* has \d+ tokens but the model .* "
-                                          r"has vocab_size 16"):
+    with pytest.raises(ConfigError, match=r"model\.tokenizer: the tokenizer .* has \d+ tokens but the "
+                                          r"model .* has vocab_size 16"):
         _load_checked(path)
 
 
@@ -95,7 +96,8 @@ def test_unknown_reward_function(write_experiment):
 def test_dataset_smaller_than_one_iteration(write_experiment, tmp_path):
     pq.write_table(pa.table({"prompt": ["1+1="], "answer": ["2"]}), tmp_path / "one.parquet")
     path = write_experiment(data={"train": str(tmp_path / "one.parquet")})
-    with pytest.raises(ConfigError, match=r"data\.train: .*1 prompts, fewer than algorithm\.prompts_per_iteration = 8"):
+    with pytest.raises(ConfigError, match=r"data\.train: .*1 prompts, fewer than "
+                                          r"algorithm\.prompts_per_iteration = 8"):
         _load_checked(path)
 
 
@@ -130,7 +132,8 @@ def test_resume_refuses_changed_config_but_allows_more_iterations(write_experime
     assert run2.read_run_info()["config_changes"][0]["keys"] == {"run.iterations": 5}
     assert not run.iteration_dir(2).exists()  # iteration 2 now trains; its old validation is kept aside
     assert (run.root / "iter_000002.final-validation" / "generate").is_dir()
-    with pytest.raises(ConfigError, match=r"run\.iterations: the run has 5; it may grow on resume, not shrink"):
+    with pytest.raises(ConfigError, match=r"run\.iterations: the run has 5; it may grow on resume, "
+                                          r"not shrink"):
         runs.prepare(config.with_overrides(exp, {"run.iterations": 3}, "e.toml"), "e.toml")
 
 
@@ -158,6 +161,7 @@ def test_shared_memory_weights_need_one_node(write_experiment):
     resident = {"kind": "slurm", "mode": "resident", "weight_sync": "shared_memory"}
     with pytest.raises(ConfigError, match=r"executor\.weight_sync: \"shared_memory\" needs trainer 0 and the "
                                           r"generator on one node, but executor\.resident\.nodes = 2"):
-        config.load(write_experiment(update={"world_size": 1}, executor={**resident, "resident": {"nodes": 2}}))
-    assert config.load(write_experiment(executor={**resident, "resident": {"nodes": 1}})).executor.weight_sync == \
-        "shared_memory"
+        config.load(write_experiment(update={"world_size": 1},
+                                     executor={**resident, "resident": {"nodes": 2}}))
+    assert (config.load(write_experiment(executor={**resident, "resident": {"nodes": 1}}))
+            .executor.weight_sync == "shared_memory")

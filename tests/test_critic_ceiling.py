@@ -34,7 +34,8 @@ def test_oracle_values_by_hand():
     model, prompt, answer = FixedModel(probs), [0, 0], [1, 1, 2]
     m = ceiling()
     # a correct response: P(rest | prefix) at each state
-    assert m.oracle_values(model, prompt, [1, 1, 2], answer) == pytest.approx([0.9 * 0.8 * 0.5, 0.8 * 0.5, 0.5])
+    assert (m.oracle_values(model, prompt, [1, 1, 2], answer)
+            == pytest.approx([0.9 * 0.8 * 0.5, 0.8 * 0.5, 0.5]))
     # a slip at the second token: the states after it are worth 0, the ones before it are not
     assert m.oracle_values(model, prompt, [1, 0, 2], answer) == pytest.approx([0.36, 0.4, 0.0])
     # longer than the answer: past the answer's end the value is 0

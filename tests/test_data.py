@@ -36,8 +36,8 @@ QUESTIONS = [
      "in April and May.\n#### 72"),
     ("Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
      "How much did she earn?",
-     "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = $<<0.2*50=10>>10."
-     "\n#### 10"),
+     "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\n"
+     "Working 50 minutes, she earned 0.2 x 50 = $<<0.2*50=10>>10.\n#### 10"),
 ]
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
@@ -116,8 +116,10 @@ def test_the_gsm8k_preparation_script_writes_what_verl_writes(tmp_path):
 
 def test_preparation_refuses_an_answer_without_a_final_number(tmp_path):
     tool = prepare_gsm8k()
-    with pytest.raises(tool.PrepareError, match=r"raw\.parquet: row 1: the answer has no '#### <number>' line"):
-        tool.convert(pa.table({"question": ["a", "b"], "answer": ["#### 1", "no number"]}), "train", "raw.parquet")
+    with pytest.raises(tool.PrepareError,
+                       match=r"raw\.parquet: row 1: the answer has no '#### <number>' line"):
+        tool.convert(pa.table({"question": ["a", "b"], "answer": ["#### 1", "no number"]}), "train",
+                     "raw.parquet")
 
 
 def test_hf_datasets_save_to_disk_directories_load(tmp_path, write_experiment):
@@ -131,8 +133,9 @@ def test_hf_datasets_save_to_disk_directories_load(tmp_path, write_experiment):
     pq.write_table(pa.Table.from_pylist(rows, GSM8K_SCHEMA), from_parquet)
     assert data.load_prompts(tmp_path / "one").equals(data.load_prompts(from_parquet))
     assert data.load_prompts(tmp_path / "dict", split="validation").num_rows == 3
-    with pytest.raises(data.DatasetError, match=r"DatasetDict with the splits \['train', 'validation'\], none named "
-                                                r"'test'; choose one with data\.train_split / data\.test_split"):
+    with pytest.raises(data.DatasetError, match=r"DatasetDict with the splits \['train', 'validation'\], "
+                                                r"none named 'test'; choose one with data\.train_split / "
+                                                r"data\.test_split"):
         data.load_prompts(tmp_path / "dict", split="test")
     with pytest.raises(data.DatasetError, match="not one written by datasets' save_to_disk"):
         data.load_prompts(tmp_path)
@@ -165,8 +168,8 @@ def test_overlong_prompts_are_dropped_with_a_count_or_refused(tmp_path, write_ex
     assert kept == short  # dataset order, long ones gone
     refusing = config.with_overrides(exp, {"data.filter_overlong": False}, "e.toml")
     with pytest.raises(ConfigError, match=r"data\.train: .*mixed\.jsonl: 8 of 32 prompts longer than "
-                                          r"model\.max_model_len - generate\.max_tokens = 56 tokens; drop them "
-                                          r"with data\.filter_overlong = true"):
+                                          r"model\.max_model_len - generate\.max_tokens = 56 tokens; "
+                                          r"drop them with data\.filter_overlong = true"):
         preflight.check(refusing, "e.toml")
     assert data.prompt_set(refusing, "train").table.num_rows == 32
 
@@ -175,8 +178,8 @@ def test_too_few_prompts_left_after_the_filter(tmp_path, write_experiment):
     path, _, _ = _addition_prompts(tmp_path, n_short=8, n_long=8)
     exp = config.load(write_experiment(data={"train": str(path)}, algorithm={"prompts_per_iteration": 12},
                                        update={"mini_batches": 1}))
-    with pytest.raises(ConfigError, match=r"data\.train: .*8 prompts \(after dropping 8 too long\), fewer than "
-                                          r"algorithm\.prompts_per_iteration = 12"):
+    with pytest.raises(ConfigError, match=r"data\.train: .*8 prompts \(after dropping 8 too long\), "
+                                          r"fewer than algorithm\.prompts_per_iteration = 12"):
         preflight.check(exp, "e.toml")
 
 

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.timeout(900)  # about 35 s and 45 s on 2 quiet CPU core
 def run_demo(config: str, tiny_task: Path, runs_root: Path):
     """Submit the config as shipped, with its task paths pointed at the test session's build."""
     overrides = {"run.runs_root": runs_root, "model.path": tiny_task / "model",
-                 "data.train": tiny_task / "data" / "train.parquet", "data.test": tiny_task / "data" / "test.parquet"}
+                 "data.train": tiny_task / "data" / "train.parquet",
+                 "data.test": tiny_task / "data" / "test.parquet"}
     args = [arg for key, value in overrides.items() for arg in ("--set", f'{key}="{value}"')]
     out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(REPO / "configs" / config), *args],
                          capture_output=True, text=True, timeout=800)

@@ -14,7 +14,8 @@ def test_configuration_md_is_generated_from_the_schema():
     assert out.returncode == 0, out.stderr
     page = (REPO / "docs" / "configuration.md").read_text()
     assert page == out.stdout, (
-        "docs/configuration.md is stale; regenerate it: .venv/bin/hpcrl config --markdown > docs/configuration.md")
+        "docs/configuration.md is stale; regenerate it: "
+        ".venv/bin/hpcrl config --markdown > docs/configuration.md")
 
 
 def test_markdown_reference_has_every_key_of_the_toml_reference():
@@ -39,6 +40,6 @@ def _relative_links(text: str) -> list[str]:
 
 def test_relative_links_in_readme_and_docs_point_at_files():
     pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-    broken = [f"{page.relative_to(REPO)}: {link}" for page in pages for link in _relative_links(page.read_text())
-              if not (page.parent / link).exists()]
+    broken = [f"{page.relative_to(REPO)}: {link}" for page in pages
+              for link in _relative_links(page.read_text()) if not (page.parent / link).exists()]
     assert not broken, f"links to missing files: {broken}"

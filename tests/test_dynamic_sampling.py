@@ -62,8 +62,8 @@ def test_rounds_of_an_iteration_draw_distinct_prompts_deterministically():
 def _fake_round(requests, r: int) -> pa.Table:
     """Two samples per requested prompt index, as generation.sample lays them out."""
     rows = [p for p in requests for _ in range(2)]
-    return pa.table({"prompt_index": pa.array(rows, pa.int64()), "round": pa.array([r] * len(rows), pa.int32()),
-                     "kept": pa.array([True] * len(rows))})
+    return pa.table({"prompt_index": pa.array(rows, pa.int64()),
+                     "round": pa.array([r] * len(rows), pa.int32()), "kept": pa.array([True] * len(rows))})
 
 
 REWARDS = {10: (1.0, 1.0), 11: (0.0, 1.0), 20: (0.0, 0.0), 21: (1.0, 0.0), 22: (0.5, 0.0), 30: (0.0, 1.0)}
@@ -93,7 +93,8 @@ def test_rounds_stop_once_the_batch_has_enough_informative_groups():
     assert out.table["round"].to_pylist() == [0, 0, 0, 0, 1, 1, 1, 1, 1, 1]
     assert out.table["kept"].to_pylist() == [False, False, True, True, False, False, True, True, True, True]
     assert out.metrics == {"dapo/rounds": 2.0, "dapo/generated_groups": 5.0, "dapo/kept_groups": 3.0,
-                           "dapo/padded_groups": 0.0, "dapo/dropped_all_equal": 2.0, "dapo/trimmed_groups": 0.0}
+                           "dapo/padded_groups": 0.0, "dapo/dropped_all_equal": 2.0,
+                           "dapo/trimmed_groups": 0.0}
 
 
 def test_at_the_round_limit_all_equal_groups_fill_the_batch():
@@ -103,7 +104,8 @@ def test_at_the_round_limit_all_equal_groups_fill_the_batch():
     # A round that finds no unused prompt ends the rounds early.
     draws = {0: [10, 11], 1: [20], 2: []}
     out = ds.sample_in_rounds(2, 9, lambda r: draws[r], _fake_round, _rewards)
-    assert out.metrics["dapo/rounds"] == 2.0 and out.table["kept"].to_pylist() == [True, True, True, True, False, False]
+    assert (out.metrics["dapo/rounds"] == 2.0
+            and out.table["kept"].to_pylist() == [True, True, True, True, False, False])
 
 
 def test_a_prompt_drawn_twice_in_one_iteration_is_refused():
@@ -113,7 +115,8 @@ def test_a_prompt_drawn_twice_in_one_iteration_is_refused():
 
 def _tables(kept: list[bool] | None):
     n = 6  # prompts 4 and 5 (train, 2 samples each), then 2 validation samples
-    rollouts = {"split": ["train"] * 4 + ["val"] * 2, "prompt_index": pa.array([4, 4, 5, 5, 0, 1], pa.int64()),
+    rollouts = {"split": ["train"] * 4 + ["val"] * 2,
+                "prompt_index": pa.array([4, 4, 5, 5, 0, 1], pa.int64()),
                 "sample_index": pa.array([0, 1, 0, 1, 0, 0], pa.int32()),
                 "prompt_ids": [[1]] * n, "response_ids": [[2, 3]] * n, "logprobs": [[-0.1, -0.2]] * n}
     if kept is not None:
@@ -146,8 +149,8 @@ def test_config_keys_and_the_note_on_scoring_twice(write_experiment):
     http = config.load(write_experiment(algorithm={"dynamic_sampling": True}, data={"test": ""},
                                         reward={"http": {"url": "http://rm:8000/score"}}))
     assert preflight.check(http, "e.toml") == [
-        "algorithm.dynamic_sampling: the generate stage scores training samples to choose the batch and the score "
-        "stage scores them again: the HTTP reward service receives every training sample twice"]
+        "algorithm.dynamic_sampling: the generate stage scores training samples to choose the batch and the "
+        "score stage scores them again: the HTTP reward service receives every training sample twice"]
 
 
 def test_metrics_refuse_flags_that_do_not_line_up():

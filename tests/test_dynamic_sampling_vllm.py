@@ -18,7 +18,8 @@ def test_dynamic_sampling_adds_rounds_and_the_update_trains_on_the_kept_groups(w
     # round 0's 8 prompts leave the batch short of informative groups.
     exp = config.load(write_experiment(
         "dapo", run={"iterations": 1, "eval_every": 0}, data={"test": ""},
-        algorithm={"group_size": 2, "prompts_per_iteration": 8, "dynamic_sampling": True, "max_sampling_rounds": 4}))
+        algorithm={"group_size": 2, "prompts_per_iteration": 8, "dynamic_sampling": True,
+                   "max_sampling_rounds": 4}))
     run, _ = runs.prepare(exp, "dapo")
     gen = run_stage("generate", run.root, 0, stages.generate.body)
     run_stage("score", run.root, 0, scoring.score_stage)
@@ -34,13 +35,15 @@ def test_dynamic_sampling_adds_rounds_and_the_update_trains_on_the_kept_groups(w
         g["kept"].add(r["kept"])
         g["rewards"].append(s["reward"])
     m = gen["metrics"]
-    assert m["dapo/rounds"] >= 2 and sorted({g["round"] for g in groups.values()}) == list(range(int(m["dapo/rounds"])))
+    assert (m["dapo/rounds"] >= 2
+            and sorted({g["round"] for g in groups.values()}) == list(range(int(m["dapo/rounds"]))))
     assert m["dapo/generated_groups"] == len(groups) == 8 * m["dapo/rounds"]
     assert all(len(g["kept"]) == 1 for g in groups.values())  # a group is kept or left out whole
     kept = {p for p, g in groups.items() if True in g["kept"]}
     informative = {p for p, g in groups.items() if len(set(g["rewards"])) > 1}
     assert len(kept) == 8
-    assert len(kept & informative) == m["dapo/kept_groups"] and len(kept - informative) == m["dapo/padded_groups"]
+    assert (len(kept & informative) == m["dapo/kept_groups"]
+            and len(kept - informative) == m["dapo/padded_groups"])
     assert m["dapo/dropped_all_equal"] == len(set(groups) - kept - informative) > 0
     if m["dapo/padded_groups"] == 0:
         assert kept <= informative

@@ -148,8 +148,8 @@ def test_status_shows_committed_stages_and_second_controller_is_refused(straight
     from hpcrl.rundir import RunLock
 
     with RunLock(run):
-        res = subprocess.run([sys.executable, "-m", "hpcrl.cli", "resume", str(run.root)], capture_output=True,
-                             text=True, env=env)
+        res = subprocess.run([sys.executable, "-m", "hpcrl.cli", "resume", str(run.root)],
+                             capture_output=True, text=True, env=env)
     assert res.returncode == 2 and "already driven by another controller" in res.stderr
 
 
@@ -160,8 +160,8 @@ def test_failed_stage_is_retried_then_stops_the_run_with_job_log_and_stderr(setu
     (root / "bad_reward.py").write_text(
         "def boom(response, ground_truth, **_):\n    raise ValueError('verifier crashed on purpose')\n")
     path = root / "failing.toml"
-    path.write_text(c.experiment_toml(tiny_task, root / "runs", "failing", reward={"functions": ["bad_reward:boom"]},
-                                      executor={"max_retries": 1}))
+    path.write_text(c.experiment_toml(tiny_task, root / "runs", "failing",
+                                      reward={"functions": ["bad_reward:boom"]}, executor={"max_retries": 1}))
     proc = hpcrl("submit", str(path), env=env)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 1, out

@@ -18,8 +18,8 @@ from tests import synthetic_run
 
 
 def hpcrl(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hpcrl.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-m", "hpcrl.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=300)
 
 
 def state(path: Path) -> dict[str, torch.Tensor]:
@@ -87,11 +87,13 @@ def test_refusals(run, tmp_path):
     assert out.returncode == 2 and f"{dest}: exists and is not empty; refusing to overwrite" in out.stderr
     assert [p.name for p in dest.iterdir()] == ["keep.txt"]
     out = hpcrl("export", run.root, "--version", 3, tmp_path / "new")
-    assert out.returncode == 2 and "policy version 3 is out of range: this run has versions 0..2" in out.stderr
+    assert (out.returncode == 2
+            and "policy version 3 is out of range: this run has versions 0..2" in out.stderr)
     (run.stage_dir(1, "update") / commit.MANIFEST).unlink()  # as if the update of iteration 1 never committed
     out = hpcrl("export", run.root, "--version", 2, tmp_path / "new")
     assert out.returncode == 2
-    assert "policy version 2 does not exist: the update of iteration 1" in out.stderr and "not committed" in out.stderr
+    assert ("policy version 2 does not exist: the update of iteration 1" in out.stderr
+            and "not committed" in out.stderr)
     assert not (tmp_path / "new").exists() and "Traceback" not in out.stderr
 
 

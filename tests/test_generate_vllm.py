@@ -56,7 +56,8 @@ def test_sampler_logprobs_match_hf_transformers_in_float32(generated):
         with torch.no_grad():
             logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
         p = len(r["prompt_ids"])
-        hf = logp[p - 1: p - 1 + len(r["response_ids"])].gather(-1, torch.tensor(r["response_ids"])[:, None])[:, 0]
+        hf = (logp[p - 1: p - 1 + len(r["response_ids"])]
+              .gather(-1, torch.tensor(r["response_ids"])[:, None])[:, 0])
         if r["split"] == "train":
             worst = max(worst, (hf - torch.tensor(r["logprobs"])).abs().max().item())
         else:  # greedy validation: every token is HF's argmax
@@ -69,8 +70,8 @@ def test_generate_is_deterministic_and_never_overwrites(generated, tmp_path):
     """Running the committed stage again changes nothing; a replay elsewhere gives the same bytes."""
     d = generated.stage_dir(0, "generate")
     before = (d / "_COMMIT.json").read_bytes()
-    subprocess.run([sys.executable, "-m", "stages.generate", "--run-dir", str(generated.root), "--iteration", "0"],
-                   check=True, timeout=500)
+    subprocess.run([sys.executable, "-m", "stages.generate", "--run-dir", str(generated.root),
+                    "--iteration", "0"], check=True, timeout=500)
     assert (d / "_COMMIT.json").read_bytes() == before
     import shutil
 

@@ -20,8 +20,8 @@ from tests import synthetic_run
 
 
 def hpcrl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hpcrl.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-m", "hpcrl.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=120)
 
 
 def manifest_value(run: RunDir, k: int, key: str) -> float | None:
@@ -66,8 +66,8 @@ def test_json_and_csv_tables_parse_and_match(kl_run):
     assert out.returncode == 0, out.stderr
     records = list(csv.DictReader(io.StringIO(out.stdout)))
     assert len(records) == 5
-    assert float(records[2]["critic/score/mean"]) == pytest.approx(manifest_value(kl_run, 2, "critic/score/mean"),
-                                                                   rel=1e-12)
+    assert (float(records[2]["critic/score/mean"])
+            == pytest.approx(manifest_value(kl_run, 2, "critic/score/mean"), rel=1e-12))
     assert records[4]["actor/ppo_kl"] == ""
     text = hpcrl("inspect", kl_run.root)
     assert text.returncode == 0, text.stderr
@@ -85,10 +85,11 @@ def test_no_kl_loss_column_without_a_kl_penalty(tmp_path):
 
 
 def _rollout(split, prompt, sample, source, n_tokens, finish, text):
-    return {"iteration": 0, "split": split, "prompt_index": prompt, "sample_index": sample, "data_source": source,
-            "prompt_text": f"prompt {prompt}?", "ground_truth": "1", "prompt_ids": [1, 2], "response_ids":
-            list(range(n_tokens)), "logprobs": [-0.5] * n_tokens, "response_text": text, "finish_reason": finish,
-            "policy_version": 0, "round": 0, "kept": split == "train"}
+    return {"iteration": 0, "split": split, "prompt_index": prompt, "sample_index": sample,
+            "data_source": source, "prompt_text": f"prompt {prompt}?", "ground_truth": "1",
+            "prompt_ids": [1, 2], "response_ids": list(range(n_tokens)), "logprobs": [-0.5] * n_tokens,
+            "response_text": text, "finish_reason": finish, "policy_version": 0, "round": 0,
+            "kept": split == "train"}
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +98,12 @@ def tiny_run(tmp_path_factory) -> RunDir:
     root = tmp_path_factory.mktemp("runs") / "tiny"
     exp = synthetic_run.write_config(root, iterations=1, eval_every=1, group_size=2, prompts_per_iteration=2)
     run = RunDir.at(root)
-    rows = [_rollout("train", 7, 0, "gsm8k", 3, "stop", "one"), _rollout("train", 7, 1, "gsm8k", 5, "stop", "two"),
-            _rollout("train", 9, 0, "math", 8, "length", "three"), _rollout("train", 9, 1, "math", 2, "stop", "four"),
-            _rollout("val", 0, 0, "gsm8k", 4, "stop", "five"), _rollout("val", 1, 0, "gsm8k", 6, "stop", "six")]
+    rows = [_rollout("train", 7, 0, "gsm8k", 3, "stop", "one"),
+            _rollout("train", 7, 1, "gsm8k", 5, "stop", "two"),
+            _rollout("train", 9, 0, "math", 8, "length", "three"),
+            _rollout("train", 9, 1, "math", 2, "stop", "four"),
+            _rollout("val", 0, 0, "gsm8k", 4, "stop", "five"),
+            _rollout("val", 1, 0, "gsm8k", 6, "stop", "six")]
     rollouts = pa.Table.from_pylist(rows, schema=schemas.ROLLOUTS)
     scores = synthetic_run.scores_table(rollouts, np.array([1.0, 0.0, 0.5, 0.0, 1.0, 0.0]))
     rng = np.random.default_rng(0)
@@ -116,15 +120,16 @@ def test_detail_of_an_iteration_by_hand(tiny_run):
                              ("val", "(all)")]
     assert rewards["train", "gsm8k"] == {"split": "train", "data_source": "gsm8k", "count": 2, "mean": 0.5,
                                          "std": pytest.approx(0.5 ** 0.5), "min": 0.0, "max": 1.0}
-    assert rewards["train", "math"]["mean"] == 0.25 and rewards["train", "math"]["std"] == pytest.approx(0.125 ** 0.5)
+    assert (rewards["train", "math"]["mean"] == 0.25
+            and rewards["train", "math"]["std"] == pytest.approx(0.125 ** 0.5))
     # train rewards 1, 0, .5, 0: mean .375, sample variance .6875 / 3
     assert rewards["train", "(all)"]["mean"] == 0.375
     assert rewards["train", "(all)"]["std"] == pytest.approx((0.6875 / 3) ** 0.5)
     assert rewards["val", "(all)"]["count"] == 2 and rewards["val", "(all)"]["mean"] == 0.5
     lengths = {r["split"]: r for r in d["response_length"].to_dicts()}
     # train lengths 3, 5, 8, 2 -> sorted 2, 3, 5, 8: median 4, p90 at 2.7 -> 5 + 0.7 * 3
-    assert lengths["train"] == {"split": "train", "count": 4, "mean": 4.5, "p50": 4.0, "p90": pytest.approx(7.1),
-                                "max": 8}
+    assert lengths["train"] == {"split": "train", "count": 4, "mean": 4.5, "p50": 4.0,
+                                "p90": pytest.approx(7.1), "max": 8}
     assert lengths["val"]["mean"] == 5.0 and lengths["val"]["max"] == 6
     assert d["finish_reasons"].rows() == [("train", "length", 1), ("train", "stop", 3), ("val", "stop", 2)]
     samples = d["samples"]
@@ -132,7 +137,8 @@ def test_detail_of_an_iteration_by_hand(tiny_run):
     worst = samples.filter(split="train", kind="worst")
     assert best.select("rank", "reward", "prompt_index", "sample_index", "response_text").rows() == [
         (1, 1.0, 7, 0, "one"), (2, 0.5, 9, 0, "three"), (3, 0.0, 7, 1, "two")]
-    assert worst.select("reward", "prompt_index", "sample_index").rows() == [(0.0, 7, 1), (0.0, 9, 1), (0.5, 9, 0)]
+    assert worst.select("reward", "prompt_index", "sample_index").rows() == [
+        (0.0, 7, 1), (0.0, 9, 1), (0.5, 9, 0)]
     assert best["prompt_text"][0] == "prompt 7?" and best["finish_reason"][1] == "length"
     assert samples.filter(split="val", kind="best")["response_text"].to_list() == ["five", "six"]
 

@@ -28,10 +28,10 @@ def assert_real_png(path) -> None:
 
 
 def test_plot_command_writes_readable_pngs(tmp_path):
-    run = synthetic_run.make_run(tmp_path / "r", iterations=6, rows=64, val_rows=8, eval_every=2, kl_coef=0.05,
-                                 group_size=4)
-    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "plot", str(run.root)], capture_output=True, text=True,
-                         timeout=120)
+    run = synthetic_run.make_run(tmp_path / "r", iterations=6, rows=64, val_rows=8, eval_every=2,
+                                 kl_coef=0.05, group_size=4)
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "plot", str(run.root)], capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(run.root / "plots" / f) for f in FIGURES]
     for name in FIGURES:
@@ -52,6 +52,6 @@ def test_nothing_to_plot_is_a_clear_refusal(tmp_path):
     run, exp = runs.open_run(tmp_path / "empty")
     with pytest.raises(InspectError, match="no committed stage yet"):
         write_plots(run, exp, tmp_path / "out")
-    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "plot", str(run.root)], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "plot", str(run.root)], capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 2 and "nothing to plot" in out.stderr and "Traceback" not in out.stderr

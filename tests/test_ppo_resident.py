@@ -26,8 +26,8 @@ CRITIC_METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/explained_vari
 
 
 def _submit(path) -> str:
-    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True, text=True,
-                         timeout=800)
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True,
+                         text=True, timeout=800)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
 
@@ -84,8 +84,9 @@ def test_committed_advantages_and_returns_equal_an_independent_gae(ppo_run):
         for row in table:
             if not row["old_logprobs"]:
                 continue
-            adv, ret = _numpy_gae(reward[row["split"], row["prompt_index"], row["sample_index"]], row["old_logprobs"],
-                                  row["ref_logprobs"], row["values"], coef, PPO["gamma"], PPO["lam"])
+            adv, ret = _numpy_gae(reward[row["split"], row["prompt_index"], row["sample_index"]],
+                                  row["old_logprobs"], row["ref_logprobs"], row["values"], coef,
+                                  PPO["gamma"], PPO["lam"])
             np.testing.assert_allclose(row["returns"], ret, atol=1e-5)
             advs.append(adv)
             rets.append(row)
@@ -135,7 +136,8 @@ def test_a_continued_run_loads_the_critic_and_the_kl_coefficient(ppo_run, tmp_pa
     assert "iterations = 3" in text and new_root in text
     continued = tmp_path / "ppo.toml"
     continued.write_text(text)
-    _submit(continued)  # a new resident job: a fresh Actor loads policy, critic and their DeepSpeed state (v2)
+    # a new resident job: a fresh Actor loads policy, critic and their DeepSpeed state (v2)
+    _submit(continued)
     assert not original.stage_dir(2, "update").exists()
     before = json.loads((run.stage_dir(1, "update") / "kl_control.json").read_text())
     after = json.loads((run.stage_dir(2, "update") / "kl_control.json").read_text())

@@ -53,7 +53,8 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(signalled_rank):
     rank saves while the other waits in the next collective) or reduced with MIN (nobody stops)."""
     got = _run(signalled_rank, signal_at=2)
     assert {rank: stopped for rank, (stopped, _) in got.items()} == {0: 2, 1: 2}
-    assert {rank: requested for rank, (_, requested) in got.items()} == {r: r == signalled_rank for r in range(WORLD)}
+    assert ({rank: requested for rank, (_, requested) in got.items()}
+            == {r: r == signalled_rank for r in range(WORLD)})
 
 
 def test_without_a_signal_no_rank_stops():

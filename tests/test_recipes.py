@@ -75,7 +75,8 @@ def _dry_run(path: Path) -> subprocess.CompletedProcess:
 
 
 def _directives(script: Path) -> set[str]:
-    return {line.removeprefix("#SBATCH ") for line in script.read_text().splitlines() if line.startswith("#SBATCH ")}
+    return {line.removeprefix("#SBATCH ") for line in script.read_text().splitlines()
+            if line.startswith("#SBATCH ")}
 
 
 @pytest.mark.parametrize("recipe, update_nodes, generate_gpus", [
@@ -89,7 +90,8 @@ def test_grpo_recipe_dry_run_writes_scripts_with_its_resources(recipe, update_no
     assert out.returncode == 0, out.stderr
     assert "dry run: config, model, tokenizer, data, rewards and batch shape checked" in out.stdout
     assert (f"note: data.train: {path.parent.parent}/data/gsm8k/train.parquet: dropped {N_LONG} of "
-            f"{N_TRAIN + N_LONG} prompts longer than model.max_model_len - generate.max_tokens = 512 tokens") in out.stderr
+            f"{N_TRAIN + N_LONG} prompts longer than model.max_model_len - generate.max_tokens = "
+            "512 tokens") in out.stderr
     exp = config.load(path)
     dry = tmp_path / "runs" / "dry-runs" / exp.run.name
     assert f"under {dry} (no run created at {exp.run_dir}; nothing submitted)" in out.stdout

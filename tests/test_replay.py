@@ -55,7 +55,8 @@ def test_replay_with_another_reward_function_reports_the_changed_reward(run, tmp
 
 
 def test_replay_of_generate_reports_token_agreement_and_logprobs(run, tmp_path):
-    out = hpcrl("replay", str(run.root), "--iteration", "0", "--stage", "generate", "--out", str(tmp_path / "g"))
+    out = hpcrl("replay", str(run.root), "--iteration", "0", "--stage", "generate", "--out",
+                str(tmp_path / "g"))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "token agreement: 40/40 samples identical (100.0%)" in out.stdout  # 8 prompts x 4 + 8 validation
     assert "logprob difference on identical samples: max" in out.stdout
@@ -71,6 +72,7 @@ def test_corrupted_input_is_named_not_a_traceback(run, tmp_path):
     data[len(data) // 2] ^= 0xFF
     target.write_bytes(bytes(data))
     out = hpcrl("replay", str(copy), "--iteration", "1", "--stage", "score", "--out", str(tmp_path / "x"))
-    assert out.returncode == 1 and f"{target}: checksum mismatch" in out.stderr and "Traceback" not in out.stderr
+    assert (out.returncode == 1 and f"{target}: checksum mismatch" in out.stderr
+            and "Traceback" not in out.stderr)
     status = hpcrl("status", str(copy), "--verify")
     assert status.returncode == 1 and f"CORRUPT: {target}: checksum mismatch" in status.stderr

@@ -99,8 +99,8 @@ def test_one_other_reward_makes_a_score_replay_differ_and_names_the_sample(tmp_p
     assert not report.match and text.endswith("verdict: DIFFERENT")
     n = rollouts.num_rows
     assert "differing files: scores.parquet" in text and f"scores: {n - 1}/{n} samples identical" in text
-    assert f"first sample scored differently: {_name(rollouts, 3)}: reward {1.0 - rewards[3]} -> {rewards[3]}" \
-        in text
+    assert (f"first sample scored differently: {_name(rollouts, 3)}: "
+            f"reward {1.0 - rewards[3]} -> {rewards[3]}") in text
 
 
 def _stats(losses: list[float]) -> pa.Table:
@@ -110,7 +110,8 @@ def _stats(losses: list[float]) -> pa.Table:
 @pytest.fixture
 def policy() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {"embed.weight": torch.randn(16, 8, generator=g), "layers.0.mlp.weight": torch.randn(8, 8, generator=g)}
+    return {"embed.weight": torch.randn(16, 8, generator=g),
+            "layers.0.mlp.weight": torch.randn(8, 8, generator=g)}
 
 
 def _commit_update(root, policy, losses):

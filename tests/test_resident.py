@@ -39,8 +39,8 @@ def _vllm_param(worker, name: str) -> torch.Tensor:
     return dict(worker.model_runner.model.named_parameters())[name].detach().clone()
 
 
-def test_weights_streamed_into_vllm_match_the_trainer_and_a_skipped_sync_is_caught(write_experiment, tiny_task,
-                                                                                   tmp_path):
+def test_weights_streamed_into_vllm_match_the_trainer_and_a_skipped_sync_is_caught(
+        write_experiment, tiny_task, tmp_path):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -48,7 +48,8 @@ def test_weights_streamed_into_vllm_match_the_trainer_and_a_skipped_sync_is_caug
     from hpcrl.distributed import free_port
 
     exp = config.load(write_experiment())
-    llm = generation.make_engine(exp, Path(exp.model.path), 0, worker_extension_cls="hpcrl.vllm_ext.WeightReceiver")
+    llm = generation.make_engine(exp, Path(exp.model.path), 0,
+                                 worker_extension_cls="hpcrl.vllm_ext.WeightReceiver")
     base = AutoModelForCausalLM.from_pretrained(exp.model.path, dtype=torch.float32)
     trained = AutoModelForCausalLM.from_pretrained(exp.model.path, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
@@ -113,7 +114,8 @@ def _same_outputs(a: RunDir, b: RunDir, exp) -> None:
     for k, s in plan.all_stages(exp):
         if s == "update":
             continue  # the staged update also writes the policy every iteration
-        assert commit.read_manifest(a.stage_dir(k, s))["files"] == commit.read_manifest(b.stage_dir(k, s))["files"], (k, s)
+        assert (commit.read_manifest(a.stage_dir(k, s))["files"]
+                == commit.read_manifest(b.stage_dir(k, s))["files"]), (k, s)
     for k in range(exp.run.iterations):
         for table in ("stats", "advantages"):
             ta = pq.read_table(a.stage_dir(k, "update") / f"{table}.parquet")
@@ -123,11 +125,13 @@ def _same_outputs(a: RunDir, b: RunDir, exp) -> None:
 def test_resident_runs_commit_what_the_staged_run_commits(write_experiment):
     staged = write_experiment("staged")
     # the filesystem run commits each update before the next generation (overlap_commit off)
-    resident = [write_experiment(f"res-{sync}", executor={**RESIDENT, "checkpoint_every": 2, "weight_sync": sync,
+    resident = [write_experiment(f"res-{sync}", executor={**RESIDENT, "checkpoint_every": 2,
+                                                          "weight_sync": sync,
                                                           "overlap_commit": sync != "filesystem"})
                 for sync in ("process_group", "shared_memory", "filesystem")]
     for path in (staged, *resident):
-        out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True, text=True)
+        out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True,
+                             text=True)
         assert out.returncode == 0, out.stderr[-3000:]
     assert "resident job" in out.stdout and "run complete" in out.stdout
     a = RunDir.at(config.load(staged).run_dir)
@@ -145,7 +149,8 @@ def test_resident_runs_commit_what_the_staged_run_commits(write_experiment):
             update, generate = (commit.read_manifest(b.stage_dir(k, "update")),
                                 commit.read_manifest(b.stage_dir(k + 1, "generate")))
             assert update["committed_at"] < generate["committed_at"], (path, k)
-            assert generate["inputs"][f"update@iter_{k:06d}"] == commit.manifest_digest(b.stage_dir(k, "update"))
+            assert (generate["inputs"][f"update@iter_{k:06d}"]
+                    == commit.manifest_digest(b.stage_dir(k, "update")))
             assert ("wait" in generate["timings"]) == exp.executor.overlap_commit
 
 
@@ -216,7 +221,8 @@ def test_a_failed_background_commit_stops_every_task_and_commits_nothing(tmp_pat
     trainer.committer.start()
     with pytest.raises(RuntimeError, match="commit failed"):
         trainer._await_commit()
-    assert trainer.plane.failed == ["committing the update of iteration 1: OSError: [Errno 28] No space left on device"]
+    assert trainer.plane.failed == [
+        "committing the update of iteration 1: OSError: [Errno 28] No space left on device"]
     assert trainer.plane.signals == []  # the generator never commits a generation on top of it
     assert not commit.is_committed(attempt.out)
     OpenStage("update", root, 1, startup=0.0).close()  # the lock was released: a retry can start
@@ -242,9 +248,11 @@ def test_signals_and_the_failure_flag_get_through_while_the_main_connection_wait
     waiting.start()
     while not _inside(waiting, "_wait_key"):
         time.sleep(0.01)
-    time.sleep(0.2)  # into the store's wait (a C call, not visible from here): a slow thread can hide the bug, never fail
+    # into the store's wait (a C call, not visible from here): a slow thread can hide the bug, never fail
+    time.sleep(0.2)
     sender = threading.Thread(target=lambda: (plane.signal("committed/0"),
-                                              plane.fail("committing the update of iteration 0: OSError: disk full")),
+                                              plane.fail("committing the update of iteration 0: "
+                                                         "OSError: disk full")),
                               daemon=True)
     sender.start()
     sender.join(timeout=50)  # on the main connection they would wait for cmd/1, which only comes below

@@ -91,13 +91,15 @@ def test_reward_model_weight_and_component_in_the_reward(classifier, tiny_task):
     exact = [1.0, 0.0, 0.0, 0.0, 0.0]
     comps = [dict(c) for c in table["reward_components"].to_pylist()]
     assert [c["model"] for c in comps] == pytest.approx(model, abs=1e-5)
-    assert table["reward"].to_pylist() == pytest.approx([e + 0.5 * m for e, m in zip(exact, model, strict=True)], abs=1e-5)
+    assert (table["reward"].to_pylist()
+            == pytest.approx([e + 0.5 * m for e, m in zip(exact, model, strict=True)], abs=1e-5))
 
 
 def test_reward_model_directory_problems_are_named(classifier, tiny_task, tmp_path):
     with pytest.raises(RewardBackendError, match=r"no config\.json"):
         inspect_model(str(tmp_path))
-    with pytest.raises(RewardBackendError, match=r"\['Qwen2ForCausalLM'\] is not a sequence-classification model"):
+    with pytest.raises(RewardBackendError,
+                       match=r"\['Qwen2ForCausalLM'\] is not a sequence-classification model"):
         inspect_model(str(tiny_task / "model"))  # the policy, not a reward model
     cfg, tok = inspect_model(str(classifier))
     assert cfg.num_labels == 1 and tok.pad_token_id is not None
@@ -123,17 +125,23 @@ def _parse(reward: dict) -> config.Experiment:
 def test_config_resolves_the_reward_model_path_and_names_bad_backend_keys():
     assert _parse({"model": {"path": "rm"}}).reward.model.path == "/cfg/rm"
     for reward, expected in [
-        ({"http": {"url": "ftp://rm:80/score"}}, "reward.http.url: Value error, expected an http:// or https:// URL"),
-        ({"http": {"url": "http://rm:port/score"}}, "reward.http.url: Value error, expected an http:// or https:// URL with a valid port"),
-        ({"http": {"url": "http://rm/", "concurrency": 0}}, "reward.http.concurrency: Input should be greater than or equal to 1"),
-        ({"model": {"path": "rm", "device": "tpu"}}, "reward.model.device: Input should be 'auto', 'cpu' or 'cuda'"),
+        ({"http": {"url": "ftp://rm:80/score"}},
+         "reward.http.url: Value error, expected an http:// or https:// URL"),
+        ({"http": {"url": "http://rm:port/score"}},
+         "reward.http.url: Value error, expected an http:// or https:// URL with a valid port"),
+        ({"http": {"url": "http://rm/", "concurrency": 0}},
+         "reward.http.concurrency: Input should be greater than or equal to 1"),
+        ({"model": {"path": "rm", "device": "tpu"}},
+         "reward.model.device: Input should be 'auto', 'cpu' or 'cuda'"),
         ({"model": {"pth": "rm"}}, "reward.model.pth: unknown key in [reward.model]"),
-        ({"functions": []}, "reward: no reward source: expected reward.functions, reward.model.path or reward.http.url"),
+        ({"functions": []},
+         "reward: no reward source: expected reward.functions, reward.model.path or reward.http.url"),
     ]:
         with pytest.raises(ConfigError) as err:
             _parse(reward)
         assert expected in str(err.value)
-    assert _parse({"functions": [], "http": {"url": "https://rm.example:8443/v1/score"}}).reward.http.weight == 1.0
+    assert (_parse({"functions": [], "http": {"url": "https://rm.example:8443/v1/score"}}).reward.http.weight
+            == 1.0)
 
 
 # ---------------------------------------------------------------- HTTP service
@@ -223,7 +231,8 @@ def test_http_scores_in_order_in_batches_with_bounded_concurrency(service):
 
 
 def test_http_scores_weights_and_components_in_the_reward(service):
-    cfg = RewardConfig(functions=["hpcrl.rewards:exact_match"], http=RewardHttpConfig(url=service.url, weight=2.0))
+    cfg = RewardConfig(functions=["hpcrl.rewards:exact_match"],
+                       http=RewardHttpConfig(url=service.url, weight=2.0))
     sources, weights = scoring.load_sources(cfg)
     table = scoring.score(_rollouts(RESPONSES), sources, weights)
     lengths = [len(r) for r in RESPONSES]
@@ -252,7 +261,8 @@ def test_http_service_down_is_named_with_its_url():
     with pytest.raises(RewardBackendError) as err:
         HttpReward(url, retries=1, backoff_s=0.01)(_samples())
     msg = str(err.value)
-    assert msg.startswith(f"reward service {url}: batch 1 of 1 (5 samples): cannot reach the service (ConnectError")
+    assert msg.startswith(f"reward service {url}: batch 1 of 1 (5 samples): "
+                          "cannot reach the service (ConnectError")
     assert msg.endswith("gave up after 2 attempts")
 
 
@@ -327,7 +337,8 @@ def test_score_stage_combines_functions_reward_model_and_service(tmp_path, class
     table = commit.read_table(run.stage_dir(0, "score"), "scores")
     assert sorted(service.batch_sizes) == [4, 8, 8]  # 16 training + 4 validation samples
     texts = rollouts["response_text"].to_pylist()
-    model = _direct(classifier, [p + r for p, r in zip(rollouts["prompt_text"].to_pylist(), texts, strict=True)])
+    model = _direct(classifier,
+                    [p + r for p, r in zip(rollouts["prompt_text"].to_pylist(), texts, strict=True)])
     exact = [float(r == g) for r, g in zip(texts, rollouts["ground_truth"].to_pylist(), strict=True)]
     expected = [e + 0.5 * m - 0.1 * len(r) for e, m, r in zip(exact, model, texts, strict=True)]
     assert table["reward"].to_pylist() == pytest.approx(expected, abs=1e-5)

@@ -52,8 +52,9 @@ def test_resubmissions_same_or_equal_length_or_refused(tmp_path):
     changed = config.with_overrides(exp, {"update.lr": 0.5, "update.weight_decay": 0.25}, "e.toml")
     with pytest.raises(ConfigError) as err:
         runs.prepare(changed, "e.toml")
-    assert "these keys may not change on resume (use another run.name for a new run):\n  update.lr: run has " \
-        "1e-05, config has 0.5\n  update.weight_decay: run has 0.0, config has 0.25" in str(err.value)
+    assert ("these keys may not change on resume (use another run.name for a new run):\n"
+            "  update.lr: run has 1e-05, config has 0.5\n"
+            "  update.weight_decay: run has 0.0, config has 0.25") in str(err.value)
 
 
 def test_code_version_is_git_describe_or_unknown(monkeypatch):

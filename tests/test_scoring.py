@@ -12,7 +12,8 @@ def test_builtin_rewards():
     out = rewards.gsm8k("so the answer is\n#### 1,234", "... #### 1234")
     assert out["score"] == 1.0 and out["format"] == 1.0
     flexible = rewards.gsm8k("the answer is 1234.", "#### 1234")
-    assert flexible["score"] == 0.0 and flexible["flexible"] == 1.0 and "no '#### <answer>'" in flexible["message"]
+    assert (flexible["score"] == 0.0 and flexible["flexible"] == 1.0
+            and "no '#### <answer>'" in flexible["message"])
 
 
 def test_overlong_penalty_by_hand():
@@ -24,7 +25,8 @@ def test_overlong_penalty_by_hand():
 
 
 def _rollouts():
-    rows = [("train", "82", [1, 2, 3], "stop"), ("train", "82", [1] * 8, "length"), ("val", "81", [1] * 8, "length")]
+    rows = [("train", "82", [1, 2, 3], "stop"), ("train", "82", [1] * 8, "length"),
+            ("val", "81", [1] * 8, "length")]
     return pa.table({
         "split": [r[0] for r in rows], "prompt_index": [0, 0, 1], "sample_index": [0, 1, 0],
         "data_source": ["t"] * 3, "prompt_text": ["p"] * 3, "ground_truth": ["82", "82", "82"],

@@ -51,7 +51,8 @@ def cluster() -> None:
 
 def submit(tmp_path: Path, *args: str, wrap: str) -> tuple[str, Path]:
     out = tmp_path / "job-%j.out"
-    job_id = sh("sbatch", "--parsable", f"--output={out}", f"--chdir={tmp_path}", *args, "--wrap", wrap).strip()
+    job_id = sh("sbatch", "--parsable", f"--output={out}", f"--chdir={tmp_path}",
+                *args, "--wrap", wrap).strip()
     return job_id, tmp_path / f"job-{job_id}.out"
 
 

@@ -57,7 +57,8 @@ def _wait_complete(run: RunDir, timeout: float = 900) -> None:
 def _same_outputs(a: RunDir, b: RunDir) -> None:
     exp = config.load(a.config_path)
     for k, s in plan.all_stages(exp):
-        assert commit.read_manifest(a.stage_dir(k, s))["files"] == commit.read_manifest(b.stage_dir(k, s))["files"], (k, s)
+        assert (commit.read_manifest(a.stage_dir(k, s))["files"]
+                == commit.read_manifest(b.stage_dir(k, s))["files"]), (k, s)
 
 
 @pytest.fixture(scope="module")
@@ -68,14 +69,16 @@ def runs_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def local_ref(runs_root, tiny_task):
     path = _write(runs_root, tiny_task, "local", executor={"kind": "local"})
-    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True,
+                         text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     return RunDir.at(runs_root / "runs" / "local")
 
 
 def test_run_on_slurm_through_a_controller_job_matches_local(runs_root, tiny_task, local_ref):
     path = _write(runs_root, tiny_task, "slurm", executor=SLURM)
-    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True,
+                         text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "submitted the controller as Slurm job" in out.stdout
     run = RunDir.at(runs_root / "runs" / "slurm")
@@ -83,7 +86,8 @@ def test_run_on_slurm_through_a_controller_job_matches_local(runs_root, tiny_tas
     _same_outputs(run, local_ref)
     jobs = run.jobs()
     stage_jobs = [j for j in jobs if j["role"] != "controller"]
-    assert sorted((j["iteration"], j["role"]) for j in stage_jobs) == sorted(plan.all_stages(config.load(path)))
+    assert (sorted((j["iteration"], j["role"]) for j in stage_jobs)
+            == sorted(plan.all_stages(config.load(path))))
     rows = {r["JobID"]: r for r in _sacct([j["job_id"] for j in jobs])}
     for j in stage_jobs:
         row = rows[j["job_id"]]
@@ -130,8 +134,8 @@ def test_requeued_stage_runs_again_and_the_run_completes_unchanged(runs_root, ti
     out, _ = proc.communicate(timeout=1200)
     assert proc.returncode == 0, out
     _same_outputs(run, local_ref)
-    restarts = subprocess.run(["sacct", "-n", "-P", "-D", "-X", "-j", job_id, "-o", "State"], capture_output=True,
-                              text=True).stdout.split()
+    restarts = subprocess.run(["sacct", "-n", "-P", "-D", "-X", "-j", job_id, "-o", "State"],
+                              capture_output=True, text=True).stdout.split()
     assert "REQUEUED" in restarts and restarts[-1] == "COMPLETED"
 
 
@@ -181,8 +185,8 @@ def test_sbatch_script_submitted_by_hand_runs_the_stage_and_injects_nothing(tmp_
     assert script.returncode == 0, script.stderr
     assert "#SBATCH --partition=gpu" in script.stdout and "#SBATCH --cpus-per-task=2" in script.stdout
     (tmp_path / "gen.sbatch").write_text(script.stdout)
-    job_id = subprocess.run(["sbatch", "--parsable", str(tmp_path / "gen.sbatch")], capture_output=True, text=True,
-                            check=True, cwd=tmp_path).stdout.strip().split(";")[0]
+    job_id = subprocess.run(["sbatch", "--parsable", str(tmp_path / "gen.sbatch")], capture_output=True,
+                            text=True, check=True, cwd=tmp_path).stdout.strip().split(";")[0]
     run = RunDir.at(root / "runs" / "byhand")
     deadline = time.time() + 300
     while not commit.is_committed(run.stage_dir(0, "generate")):
@@ -194,8 +198,8 @@ def test_sbatch_script_submitted_by_hand_runs_the_stage_and_injects_nothing(tmp_
     bad = root / "bad.toml"
     bad.write_text(c.experiment_toml(tiny_task, root / "runs", "bad", executor={
         **SLURM, "score": {"partition": "cpu$(touch hpcrl-pwned)"}}))
-    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", "--dry-run", str(bad)], capture_output=True,
-                         text=True)
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", "--dry-run", str(bad)],
+                         capture_output=True, text=True)
     assert out.returncode == 2 and "executor.score: sbatch option --partition" in out.stderr
     assert not any(c.exists() for c in canaries)
 
@@ -213,7 +217,8 @@ def test_resident_job_spans_two_nodes_trainer_on_one_generator_on_the_other(runs
     row = _sacct([job["job_id"]])[0]
     assert row["State"] == "COMPLETED" and row["NodeList"] in ("n[1-2]", "n1,n2"), row
     exp = config.load(path)
-    nodes = {s: {commit.read_manifest(run.stage_dir(k, s))["node"] for k, st in plan.all_stages(exp) if st == s}
+    nodes = {s: {commit.read_manifest(run.stage_dir(k, s))["node"] for k, st in plan.all_stages(exp)
+                 if st == s}
              for s in ("generate", "update")}
     assert nodes == {"update": {"n1"}, "generate": {"n2"}}, nodes
     # weight_sync = "auto" across two (Slurm) nodes: the process group, not shared memory
@@ -237,7 +242,8 @@ def test_the_demo_experiment_on_slurm_equals_the_local_resident_run(tmp_path):
     paths = {}
     for name, executor in (("demo-slurm", {**SLURM, "mode": "staged"}), ("demo-local", {"kind": "local"})):
         exp = config.with_overrides(demo, {"run.name": name, "run.runs_root": str(tmp_path / "runs"),
-                                           "run.iterations": 2, **{f"executor.{k}": v for k, v in executor.items()}},
+                                           "run.iterations": 2,
+                                           **{f"executor.{k}": v for k, v in executor.items()}},
                                     "test")
         paths[name] = tmp_path / f"{name}.toml"
         paths[name].write_text(config.dumps(exp))
@@ -258,12 +264,15 @@ def test_the_demo_experiment_on_slurm_equals_the_local_resident_run(tmp_path):
 
 
 def test_resident_sbatch_script_submitted_by_hand_runs_the_whole_run(tmp_path, tiny_task):
-    spec = {"kind": "slurm", "mode": "resident", "resident": {"partition": "debug", "nodes": 2, "cpus_per_task": 1}}
-    path = _write(tmp_path, tiny_task, "byhand-resident", executor=spec, run={"iterations": 1, "eval_every": 0})
+    spec = {"kind": "slurm", "mode": "resident",
+            "resident": {"partition": "debug", "nodes": 2, "cpus_per_task": 1}}
+    path = _write(tmp_path, tiny_task, "byhand-resident", executor=spec,
+                  run={"iterations": 1, "eval_every": 0})
     script = subprocess.run([sys.executable, "-m", "hpcrl.cli", "sbatch", str(path), "--stage", "resident"],
                             capture_output=True, text=True)
     assert script.returncode == 0, script.stderr
     assert "#SBATCH --nodes=2" in script.stdout and "-m hpcrl.resident --run-dir" in script.stdout
     (tmp_path / "resident.sbatch").write_text(script.stdout)
-    subprocess.run(["sbatch", str(tmp_path / "resident.sbatch")], check=True, cwd=tmp_path, capture_output=True)
+    subprocess.run(["sbatch", str(tmp_path / "resident.sbatch")], check=True, cwd=tmp_path,
+                   capture_output=True)
     _wait_complete(RunDir.at(tmp_path / "runs" / "byhand-resident"), timeout=600)

@@ -39,26 +39,29 @@ def test_a_nan_reward_stops_the_run_at_once_and_status_names_it(tmp_path, tiny_t
 
     (tmp_path / "nan_reward.py").write_text(NAN_REWARD)
     path = tmp_path / "nan.toml"
-    path.write_text(c.experiment_toml(tiny_task, tmp_path / "runs", "nan", run={"iterations": 2, "eval_every": 0},
+    path.write_text(c.experiment_toml(tiny_task, tmp_path / "runs", "nan",
+                                      run={"iterations": 2, "eval_every": 0},
                                       reward={"functions": ["nan_reward:judge"]}, executor={"max_retries": 2},
                                       tracking={"enabled": False}))
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "NAN_REWARD_COUNTER": str(tmp_path / "score-jobs")}
-    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True, text=True,
-                         env=env)
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True,
+                         text=True, env=env)
     assert out.returncode != 0
     assert "not retried: RewardValueError is not cured by a retry" in out.stdout + out.stderr
-    assert (tmp_path / "score-jobs").read_text() == "3"  # submit's check, iteration 0's score, one attempt at 1's
+    # submit's check, iteration 0's score, one attempt at 1's
+    assert (tmp_path / "score-jobs").read_text() == "3"
     run = RunDir.at(tmp_path / "runs" / "nan")
-    assert commit.is_committed(run.stage_dir(0, "update")) and not commit.is_committed(run.stage_dir(1, "score"))
+    assert (commit.is_committed(run.stage_dir(0, "update"))
+            and not commit.is_committed(run.stage_dir(1, "score")))
     weights = load_file(run.stage_dir(0, "update") / "policy" / "model.safetensors")
     assert all(bool(torch.isfinite(t).all()) for t in weights.values())  # every committed policy is finite
 
     status = subprocess.run([sys.executable, "-m", "hpcrl.cli", "status", str(run.root)], capture_output=True,
                             text=True)
     line = next(x for x in status.stdout.splitlines() if x.startswith("STOPPED"))
-    assert "stage score of iteration 1 failed: RewardValueError: reward source 'nan_reward:judge' gave score = nan" \
-        in line
+    assert ("stage score of iteration 1 failed: RewardValueError: reward source 'nan_reward:judge' "
+            "gave score = nan") in line
     assert f"hpcrl resume {run.root}" in line
 
 
@@ -69,8 +72,9 @@ def test_the_failure_reason_is_the_last_exception_line_of_the_log():
   File "/x/hpcrl/stage.py", line 139, in run
 ValueError: inner
 During handling of the above exception, another exception occurred:
-hpcrl.rewards.RewardValueError: reward source 'f' gave score = nan; expected a finite number, for train prompt 3
+hpcrl.rewards.RewardValueError: reward source 'f' gave score = nan; expected a finite number, \
+for train prompt 3
 submitit INFO (2026-12-01) - Exiting after failure"""
-    assert failure_reason(tail) == ("RewardValueError", "reward source 'f' gave score = nan; expected a finite "
-                                                        "number, for train prompt 3")
+    assert failure_reason(tail) == ("RewardValueError", "reward source 'f' gave score = nan; expected a "
+                                                        "finite number, for train prompt 3")
     assert failure_reason("Killed\nslurmstepd: error: *** JOB 7 CANCELLED ***") is None

@@ -66,7 +66,8 @@ def test_parquet_layout_is_verl_like(tiny_task: Path, record: dict):
 
 def test_train_and_test_prompts_are_disjoint(tiny_task: Path):
     train, test = ({r["prompt"][0]["content"] for r in read_split(tiny_task, s)} for s in ("train", "test"))
-    assert len(train) == len(read_split(tiny_task, "train")) and len(test) == len(read_split(tiny_task, "test"))
+    assert (len(train) == len(read_split(tiny_task, "train"))
+            and len(test) == len(read_split(tiny_task, "test")))
     assert not train & test
 
 
@@ -113,7 +114,8 @@ def test_saved_model_reproduces_the_recorded_accuracy(tiny_task: Path, record: d
     test = [tuple(map(int, r["prompt"][0]["content"][:-1].split("+"))) for r in read_split(tiny_task, "test")]
     result = builder.evaluate(model, raw, test)
     assert result["greedy"] == pytest.approx(record["accuracy"]["greedy"], abs=1 / len(test))
-    assert result["greedy_stripped"] == pytest.approx(record["accuracy"]["greedy_stripped"], abs=1 / len(test))
+    assert (result["greedy_stripped"]
+            == pytest.approx(record["accuracy"]["greedy_stripped"], abs=1 / len(test)))
 
 
 def test_second_build_is_a_cache_hit(tiny_task: Path):
@@ -122,4 +124,5 @@ def test_second_build_is_a_cache_hit(tiny_task: Path):
     proc = subprocess.run([sys.executable, str(BUILDER), "--out", str(tiny_task)], check=True,
                           capture_output=True, text=True)
     assert "up to date" in proc.stdout
-    assert {p: (p.stat().st_mtime_ns, p.stat().st_ino) for p in sorted(tiny_task.rglob("*")) if p.is_file()} == files
+    assert {p: (p.stat().st_mtime_ns, p.stat().st_ino) for p in sorted(tiny_task.rglob("*"))
+            if p.is_file()} == files

@@ -30,11 +30,11 @@ def _commit_inputs(run: RunDir, exp: config.Experiment, tokenizer) -> None:
         for s in range(exp.algorithm.group_size):
             answer = str(a + b) if rng.random() < 0.4 else f"{a + b:04d}"
             ids = tokenizer(answer + "<|im_end|>", add_special_tokens=False)["input_ids"]
-            rows.append(dict(iteration=0, split="train", prompt_index=p, sample_index=s, data_source="tiny_addition",
-                             prompt_text=prompt, ground_truth=str(a + b),
-                             prompt_ids=tokenizer(prompt, add_special_tokens=False)["input_ids"], response_ids=ids,
-                             logprobs=[-1.0] * len(ids), response_text=answer, finish_reason="stop",
-                             policy_version=0, round=0, kept=True))
+            rows.append(dict(iteration=0, split="train", prompt_index=p, sample_index=s,
+                             data_source="tiny_addition", prompt_text=prompt, ground_truth=str(a + b),
+                             prompt_ids=tokenizer(prompt, add_special_tokens=False)["input_ids"],
+                             response_ids=ids, logprobs=[-1.0] * len(ids), response_text=answer,
+                             finish_reason="stop", policy_version=0, round=0, kept=True))
     rollouts = pa.Table.from_pylist(rows)
     w = commit.StageWriter(commit.fresh_temp_dir(run.stage_dir(0, "generate")))
     w.write_table("rollouts", rollouts)
@@ -42,8 +42,9 @@ def _commit_inputs(run: RunDir, exp: config.Experiment, tokenizer) -> None:
     reward = [float(r["response_text"] == r["ground_truth"]) for r in rows]
     w = commit.StageWriter(commit.fresh_temp_dir(run.stage_dir(0, "score")))
     w.write_table("scores", pa.table({
-        "split": rollouts["split"], "prompt_index": rollouts["prompt_index"], "sample_index": rollouts["sample_index"],
-        "reward": reward, "reward_components": pa.array([[("r", x)] for x in reward], pa.map_(pa.string(), pa.float64())),
+        "split": rollouts["split"], "prompt_index": rollouts["prompt_index"],
+        "sample_index": rollouts["sample_index"], "reward": reward,
+        "reward_components": pa.array([[("r", x)] for x in reward], pa.map_(pa.string(), pa.float64())),
         "reward_message": [""] * len(rows)}))
     commit.commit(run.stage_dir(0, "score"), w, {"stage": "score", "policy_version": 0})
 
@@ -100,7 +101,8 @@ def test_two_ranks_match_one_rank_and_export_reloads_exactly(write_experiment, o
     diffs = torch.cat([(two[k] - one[k]).abs().flatten() for k in one])
     assert diffs.max() < 0.5 * lr and diffs.mean() < 1e-3 * lr
     # the exported HF weights are exactly the DeepSpeed state's fp32 weights
-    trainer_state = get_fp32_state_dict_from_zero_checkpoint(str(run.stage_dir(0, "update") / "trainer"), tag="state")
+    trainer_state = get_fp32_state_dict_from_zero_checkpoint(str(run.stage_dir(0, "update") / "trainer"),
+                                                             tag="state")
     model = AutoModelForCausalLM.from_pretrained(run.stage_dir(0, "update") / "policy", dtype=torch.float32)
     reloaded = model.state_dict()
     for k, v in trainer_state.items():
@@ -144,7 +146,8 @@ def test_old_logprobs_are_the_sampled_policy_s_in_every_mini_batch(one_rank):
     from transformers import AutoModelForCausalLM
 
     exp = config.load(one_rank.config_path)
-    base = AutoModelForCausalLM.from_pretrained(one_rank.policy_dir(0, exp.model.path), dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(one_rank.policy_dir(0, exp.model.path),
+                                                dtype=torch.float32).eval()
     rollouts = {(r["prompt_index"], r["sample_index"]): r
                 for r in commit.read_table(one_rank.stage_dir(0, "generate"), "rollouts").to_pylist()}
     rows = commit.read_table(one_rank.stage_dir(0, "update"), "advantages").to_pylist()
@@ -154,7 +157,8 @@ def test_old_logprobs_are_the_sampled_policy_s_in_every_mini_batch(one_rank):
         with torch.no_grad():
             lp = torch.log_softmax(base(input_ids=ids).logits[0, :-1].float(), -1)
         want = lp[torch.arange(ids.shape[1] - 1), ids[0, 1:]][len(r["prompt_ids"]) - 1:].tolist()
-        assert row["old_logprobs"] == pytest.approx(want, abs=2e-5), (row["prompt_index"], row["sample_index"])
+        assert row["old_logprobs"] == pytest.approx(want, abs=2e-5), \
+            (row["prompt_index"], row["sample_index"])
     stats = commit.read_table(one_rank.stage_dir(0, "update"), "stats").to_pylist()
     assert stats[0]["ppo_kl"] == 0 and stats[0]["pg_clipfrac"] == 0  # the first step is exactly on-policy
     assert abs(stats[1]["ppo_kl"]) > 0  # the second sees the policy after the first step
@@ -272,13 +276,15 @@ def test_ppo_critic_update_is_the_same_on_one_and_two_ranks(write_experiment):
 def test_old_logprobs_from_the_sampler_skip_the_recompute(write_experiment):
     from transformers import AutoTokenizer
 
-    exp = config.load(write_experiment("sampler-old", algorithm={"old_logprobs": "sampler"}, run={"iterations": 1}))
+    exp = config.load(write_experiment("sampler-old", algorithm={"old_logprobs": "sampler"},
+                                       run={"iterations": 1}))
     run, _ = runs.prepare(exp, "sampler-old")
     _commit_inputs(run, exp, AutoTokenizer.from_pretrained(exp.model.path))
     executors.LocalExecutor(run, exp).submit("update", 0).job.results()
     d = run.stage_dir(0, "update")
     rollouts = {(r["prompt_index"], r["sample_index"]): r["logprobs"]
-                for r in commit.read_table(run.stage_dir(0, "generate"), "rollouts").to_pylist() if r["split"] == "train"}
+                for r in commit.read_table(run.stage_dir(0, "generate"), "rollouts").to_pylist()
+                if r["split"] == "train"}
     for row in commit.read_table(d, "advantages").to_pylist():
         assert row["old_logprobs"] == pytest.approx(rollouts[(row["prompt_index"], row["sample_index"])])
     # the sampler's logprobs (set to -1.0 by the fixture) are far from the policy's: the ratio sees it
@@ -319,8 +325,8 @@ def test_an_update_that_goes_non_finite_commits_nothing(write_experiment):
     local = submitit.LocalExecutor(folder=run.logs / "%j")
     job = local.submit(PoisonedUpdate("stages.update", str(run.root), 0))
     with pytest.raises(Exception, match="FloatingPointError: the update of iteration 0 produced 1 non-finite "
-                                        "parameter tensor\\(s\\) in the trainer; nothing is committed and the run "
-                                        "stays at policy version 0"):
+                                        "parameter tensor\\(s\\) in the trainer; nothing is committed and "
+                                        "the run stays at policy version 0"):
         job.result()
     assert not commit.is_committed(run.stage_dir(0, "update"))
     assert not (run.stage_dir(0, "update") / "policy").exists()

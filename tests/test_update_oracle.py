@@ -25,7 +25,8 @@ def _advantages_by_hand(rows: list[dict], rewards: dict) -> list[float]:
     groups: dict[int, list[float]] = {}
     for r in rows:
         groups.setdefault(r["prompt_index"], []).append(rewards[r["prompt_index"], r["sample_index"]])
-    return [rewards[r["prompt_index"], r["sample_index"]] - float(np.mean(groups[r["prompt_index"]])) for r in rows]
+    return [rewards[r["prompt_index"], r["sample_index"]] - float(np.mean(groups[r["prompt_index"]]))
+            for r in rows]
 
 
 def _gradient(model_path, rows: list[dict], adv: list[float]) -> tuple[dict, dict]:
@@ -56,8 +57,8 @@ def test_first_update_step_equals_an_independent_gradient_and_adamw_step(write_e
     rewards = {(s["prompt_index"], s["sample_index"]): s["reward"] for s in scores}
     adv = _advantages_by_hand(rows, rewards)
     committed = commit.read_table(run.stage_dir(0, "update"), "advantages").to_pylist()
-    assert [(c["prompt_index"], c["sample_index"]) for c in committed] == [(r["prompt_index"], r["sample_index"])
-                                                                          for r in rows]
+    assert ([(c["prompt_index"], c["sample_index"]) for c in committed]
+            == [(r["prompt_index"], r["sample_index"]) for r in rows])
     np.testing.assert_allclose([c["advantage"] for c in committed], adv, atol=1e-6)
     assert max(abs(a) for a in adv) > 0.1  # the batch has something to learn
     exp = config.load(run.config_path)
@@ -67,13 +68,16 @@ def test_first_update_step_equals_an_independent_gradient_and_adamw_step(write_e
     assert len(stats) == 1 and norm > 0.5  # clipping is active
     assert stats[0]["grad_norm"] == pytest.approx(norm, rel=1e-4)
 
-    after = {k: v.double() for k, v in load_file(run.stage_dir(0, "update") / "policy" / "model.safetensors").items()}
+    after = {k: v.double()
+             for k, v in load_file(run.stage_dir(0, "update") / "policy" / "model.safetensors").items()}
     largest = max(float(g.abs().max()) for g in grads.values())
     for name, g in grads.items():
         key = name if name in after else name.removeprefix("model.")
         g = g * 0.5 / (norm + 1e-6)  # DeepSpeed's gradient clipping
         expected = before[name] * (1 - LR * WEIGHT_DECAY) - LR * g / (g.abs() + EPS)
-        # entries whose Adam step (about lr * g / |g|) float32 rounding of the gradient cannot move by lr * 1e-3
+        # entries whose Adam step (about lr * g / |g|) float32 rounding of the gradient cannot move
+        # by lr * 1e-3
         clear = g.abs() > 1e-4 * largest
-        np.testing.assert_allclose(after[key][clear].numpy(), expected[clear].numpy(), atol=LR * 1e-3, err_msg=name)
+        np.testing.assert_allclose(after[key][clear].numpy(), expected[clear].numpy(), atol=LR * 1e-3,
+                                   err_msg=name)
         assert float((after[key] - expected).abs().max()) <= 2 * LR + 1e-9, name  # no step is larger than lr

@@ -16,7 +16,8 @@ from hpcrl.weight_sync import FilesystemSync, ProcessGroupSync, SharedMemorySync
 
 def _state() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {"embed.weight": torch.randn(300, 64, generator=g), "layer.0.qkv": torch.randn(192, 64, generator=g),
+    return {"embed.weight": torch.randn(300, 64, generator=g),
+            "layer.0.qkv": torch.randn(192, 64, generator=g),
             "layer.0.bias": torch.randn(192, generator=g), "steps": torch.arange(7, dtype=torch.int64),
             "norm.weight": torch.randn(64, generator=g).to(torch.bfloat16)}
 
@@ -96,7 +97,8 @@ def test_shared_memory_delivers_bit_identical_tensors_in_place():
     assert proc.exitcode == 0
     assert list(first) == list(state)
     for name, t in state.items():
-        assert first[name] == (str(t.dtype), list(t.shape), originals[name]), name  # the first send, bit-identical
+        # the first send, bit-identical
+        assert first[name] == (str(t.dtype), list(t.shape), originals[name]), name
         assert second[name] == _raw(t), name  # the second send, bit-identical
     assert first["embed.weight"][2] != second["embed.weight"]
 
@@ -182,7 +184,8 @@ def _logprobs(model, sequences: list[list[int]]) -> list[list[float]]:
     from hpcrl import losses
 
     with torch.no_grad():
-        return [losses.token_logprobs(model(torch.tensor([s])).logits[:, :-1], torch.tensor([s[1:]]), 1.0)[0].tolist()
+        return [losses.token_logprobs(model(torch.tensor([s])).logits[:, :-1], torch.tensor([s[1:]]),
+                                      1.0)[0].tolist()
                 for s in sequences]
 
 
@@ -212,9 +215,10 @@ def test_the_float32_probe_tolerance_catches_weights_delivered_in_bfloat16(tiny_
             p.copy_(p.to(torch.bfloat16).float())
     served = _logprobs(rounded, probe)
     tol = probe_tolerance(exp)
-    assert check_probe(_logprobs(copy.deepcopy(model), probe), trainer, trainer, tol, version=1)["sync/logp_diff"] == 0
-    with pytest.raises(WeightSyncError, match=r"differ from the trainer's by [0-9.e+-]+ on average, above the "
-                                              r"tolerance 1e-04"):
+    assert check_probe(_logprobs(copy.deepcopy(model), probe), trainer, trainer, tol,
+                       version=1)["sync/logp_diff"] == 0
+    with pytest.raises(WeightSyncError, match=r"differ from the trainer's by [0-9.e+-]+ on average, "
+                                              r"above the tolerance 1e-04"):
         check_probe(served, trainer, trainer, tol, version=1)
 
 

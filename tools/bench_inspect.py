@@ -41,7 +41,8 @@ def timed(fn: Callable[[], object], repeats: int) -> list[float]:
 
 def cli(*args: str) -> Callable[[], None]:
     def run() -> None:
-        subprocess.run([sys.executable, "-m", "hpcrl.cli", *args], check=True, stdout=subprocess.DEVNULL, cwd=REPO)
+        subprocess.run([sys.executable, "-m", "hpcrl.cli", *args], check=True, stdout=subprocess.DEVNULL,
+                       cwd=REPO)
     return run
 
 
@@ -50,8 +51,10 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=REPO / ".cache" / "bench-inspect")
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--rows", type=int, default=100_000, help="training rollouts per iteration")
-    parser.add_argument("--val-rows", type=int, default=1000, help="validation rollouts (every 5th iteration)")
-    parser.add_argument("--iteration", type=int, default=None, help="iteration for the detail (default: middle)")
+    parser.add_argument("--val-rows", type=int, default=1000,
+                        help="validation rollouts (every 5th iteration)")
+    parser.add_argument("--iteration", type=int, default=None,
+                        help="iteration for the detail (default: middle)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
@@ -67,15 +70,15 @@ def main() -> None:
     run, exp = runs.open_run(root)
 
     cases = {
-        "per-iteration table (in-process)": lambda: inspection.render_table(inspection.iteration_table(run, exp), exp,
-                                                                         "table"),
+        "per-iteration table (in-process)": lambda: inspection.render_table(
+            inspection.iteration_table(run, exp), exp, "table"),
         f"--iteration {k_val} detail (in-process)": lambda: inspection.render_detail(
             inspection.iteration_detail(run, k_val), "table"),
         "hpcrl inspect RUN (CLI)": cli("inspect", str(root)),
         "hpcrl inspect RUN --format json (CLI)": cli("inspect", str(root), "--format", "json"),
         f"hpcrl inspect RUN --iteration {k_val} (CLI)": cli("inspect", str(root), "--iteration", str(k_val)),
-        f"hpcrl inspect RUN --iteration {k} --format csv (CLI)": cli("inspect", str(root), "--iteration", str(k),
-                                                                     "--format", "csv"),
+        f"hpcrl inspect RUN --iteration {k} --format csv (CLI)": cli(
+            "inspect", str(root), "--iteration", str(k), "--format", "csv"),
         "python -c 'import hpcrl.cli' (CLI start-up alone)": lambda: subprocess.run(
             [sys.executable, "-c", "import hpcrl.cli"], check=True, cwd=REPO),
     }

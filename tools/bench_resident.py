@@ -6,7 +6,8 @@ demo experiment and on a ~100M-parameter CPU configuration (random init: only ti
 
 Each (model, mode) runs a fresh run through the real controller and executor (as `hpcrl submit`),
 alternating the order of the modes per repeat. The resident mode runs once per same-node weight
-transport (shared memory, the default here, and the gloo process group). The iteration time is the wall time between the commits of two
+transport (shared memory, the default here, and the gloo process group). The iteration time is \
+the wall time between the commits of two
 consecutive updates (iterations 1..N-2: iteration 0 includes the start of the job(s), the last
 one saves the final checkpoint), so it includes everything a user waits for: job launches,
 loading, generation, scoring, the update, parquet I/O and, resident, the weight sync. The
@@ -60,9 +61,10 @@ MODES = {
 
 def experiment(name: str, model: str, mode: str, root: Path, iterations: int) -> config.Experiment:
     exp = config.load(REPO / "configs" / "demo.toml")
-    overrides = {"run.name": f"{name}-{mode.replace(', ', '-').replace(' ', '_')}", "run.runs_root": str(root),
-                 "run.iterations": iterations, "run.eval_every": 0, "data.test": "", "tracking.enabled": False,
-                 "executor.checkpoint_every": iterations, **MODES[mode]}
+    overrides = {"run.name": f"{name}-{mode.replace(', ', '-').replace(' ', '_')}",
+                 "run.runs_root": str(root), "run.iterations": iterations, "run.eval_every": 0,
+                 "data.test": "", "tracking.enabled": False, "executor.checkpoint_every": iterations,
+                 **MODES[mode]}
     if model == "100m":
         path = build_100m(REPO / ".cache" / "bench-100m")
         overrides.update({"model.path": str(path), "algorithm.prompts_per_iteration": 8,
@@ -102,15 +104,17 @@ def main() -> None:
                     exp = experiment(f"{model}{r}", model, mode, Path(tmp), args.iterations)
                     results.setdefault((model, mode), []).append(measure(exp))
     cols = ("iteration", "generate", "score", "update", "sync", "overhead")
-    print(f"seconds per iteration (median over iterations 1..{args.iterations - 2} and {args.repeats} repeat(s)); "
-          "generate/score/update = compute phases; overhead = the rest (share of the iteration)")
+    print(f"seconds per iteration (median over iterations 1..{args.iterations - 2} and {args.repeats} "
+          "repeat(s)); generate/score/update = compute phases; overhead = the rest (share of the iteration)")
     print(f"| model | mode | {' | '.join(cols)} | staged / this |")
     print("|---|---|" + "---|" * (len(cols) + 1))
     for model in args.models.split(","):
-        med = {mode: {c: statistics.median(r[c] for r in results[(model, mode)]) for c in cols} for mode in MODES}
+        med = {mode: {c: statistics.median(r[c] for r in results[(model, mode)]) for c in cols}
+               for mode in MODES}
         for mode in MODES:
             row = med[mode]
-            cells = [f"{row[c]:.2f}" for c in cols[:-1]] + [f"{row['overhead']:.2f} ({row['overhead'] / row['iteration']:.0%})"]
+            cells = [f"{row[c]:.2f}" for c in cols[:-1]] + [
+                f"{row['overhead']:.2f} ({row['overhead'] / row['iteration']:.0%})"]
             ratio = med["staged"]["iteration"] / med[mode]["iteration"]
             print(f"| {model} | {mode} | {' | '.join(cells)} | {ratio:.1f}x |")
 

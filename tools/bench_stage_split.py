@@ -60,7 +60,8 @@ def main() -> None:
             results.append(one_iteration(exp, Path(tmp), f"bench{r}"))
             print(f"repeat {r + 1}/{args.repeats} done", file=sys.stderr)
     cols = ("wall", "startup", "load", "compute", "io", "exit+exec")
-    print(f"one staged iteration of {args.config} (median of {args.repeats}; seconds, share of stage wall time)")
+    print(f"one staged iteration of {args.config} (median of {args.repeats}; "
+          "seconds, share of stage wall time)")
     print(f"{'stage':<10}" + "".join(f"{c:>16}" for c in cols))
     totals = dict.fromkeys(cols, 0.0)
     for stage in ("generate", "score", "update"):

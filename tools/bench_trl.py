@@ -57,8 +57,8 @@ TRL_PINS = ("torch==2.13.0", "trl==1.16.0", "transformers==5.19.0", "accelerate=
             "tokenizers==0.23.3", "safetensors==0.8.0")
 STAMP = "hpcrl-bench-pins.txt"
 # Qwen2 shape of the 100m model: 14 x (4 x 768^2 attention + 3 x 768 x 2048 MLP) = 99M parameters.
-SHAPE_100M = {"hidden_size": 768, "num_hidden_layers": 14, "num_attention_heads": 12, "num_key_value_heads": 12,
-              "intermediate_size": 2048}
+SHAPE_100M = {"hidden_size": 768, "num_hidden_layers": 14, "num_attention_heads": 12,
+              "num_key_value_heads": 12, "intermediate_size": 2048}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 # per model size: default iterations and repeats, and hpcrl settings sized for the model (vLLM's KV
 # cache must hold a whole batch; smaller micro-batches bound the trainer's activation memory).
@@ -89,7 +89,8 @@ def trl_python(venv: Path) -> Path:
     cuda = subprocess.run([str(python), "-c", "import torch; print(torch.version.cuda)"], check=True,
                           capture_output=True, text=True).stdout.strip()
     if cuda != "None":
-        raise RuntimeError(f"{venv}: pip installed a CUDA build of torch (CUDA {cuda}); expected the CPU build")
+        raise RuntimeError(f"{venv}: pip installed a CUDA build of torch (CUDA {cuda}); "
+                           "expected the CPU build")
     stamp.write_text("\n".join(TRL_PINS) + "\n")
     log(f"TRL virtual environment ready: {venv}")
     return python
@@ -107,8 +108,8 @@ def model_100m(cache: Path, tiny_model: Path) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     base = json.loads((tiny_model / "config.json").read_text())
-    keep = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "rms_norm_eps",
-            "tie_word_embeddings", "hidden_act", "rope_parameters")
+    keep = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings",
+            "rms_norm_eps", "tie_word_embeddings", "hidden_act", "rope_parameters")
     cfg = Qwen2Config(**{k: base[k] for k in keep if k in base}, **SHAPE_100M)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg)
@@ -146,8 +147,8 @@ def run_trl(python: Path, exp: config.Experiment, steps: int, work: Path) -> dic
     ends = res["iteration_end"]
     if len(ends) != steps:
         raise RuntimeError(f"TRL ran {len(ends)} iterations, expected {steps}; log: {work / 'trl.log'}")
-    return {"steady": ends[-1] - ends[0], "train": res["train_end"] - res["train_start"], "end to end": wall, "reward first": res["rewards"][0],
-            "reward last": res["rewards"][-1], "params": res["params"]}
+    return {"steady": ends[-1] - ends[0], "train": res["train_end"] - res["train_start"], "end to end": wall,
+            "reward first": res["rewards"][0], "reward last": res["rewards"][-1], "params": res["params"]}
 
 
 def run_hpcrl(exp: config.Experiment, steps: int, work: Path, keep: bool = False) -> dict[str, float]:
@@ -157,12 +158,14 @@ def run_hpcrl(exp: config.Experiment, steps: int, work: Path, keep: bool = False
                                       "executor.kind": "local", "executor.mode": "resident"}, "bench_trl")
     toml = work / "hpcrl.toml"
     toml.write_text(config.dumps(exp))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ,
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     t0 = time.perf_counter()
     _run([sys.executable, "-m", "hpcrl.cli", "submit", str(toml)], env, work / "hpcrl.log")
     wall = time.perf_counter() - t0
     root = work / "runs" / "bench"
-    manifests = [{s: commit.read_manifest(root / f"iter_{k:06d}" / s) for s in ("generate", "score", "update")}
+    manifests = [{s: commit.read_manifest(root / f"iter_{k:06d}" / s)
+                  for s in ("generate", "score", "update")}
                  for k in range(steps)]
     if any(m is None for it in manifests for m in it.values()):
         raise RuntimeError(f"{root}: not every stage committed; log: {work / 'hpcrl.log'}")
@@ -189,7 +192,8 @@ def table(trl: list[dict], hp: list[dict], per_iter: int, steps: int) -> list[st
     rows = [  # system, what is timed, results, key, completions, the TRL key it is compared with
         ("TRL GRPOTrainer", f"iterations 2..{steps}, wall", trl, "steady", steady, "steady"),
         ("hpcrl resident", f"iterations 2..{steps}, stage times", hp, "stages", steady, "steady"),
-        ("hpcrl resident", f"iterations 2..{steps}, wall between update commits", hp, "loop", steady, "steady"),
+        ("hpcrl resident", f"iterations 2..{steps}, wall between update commits", hp, "loop", steady,
+         "steady"),
         ("TRL GRPOTrainer", f"iterations 1..{steps}, wall of trainer.train()", trl, "train", total, "train"),
         ("hpcrl resident", f"iterations 1..{steps}, stage times", hp, "stages all", total, "train"),
         ("TRL GRPOTrainer", "end to end (process start to exit)", trl, "end to end", total, "end to end"),
@@ -201,8 +205,8 @@ def table(trl: list[dict], hp: list[dict], per_iter: int, steps: int) -> list[st
         seconds = statistics.median(r[key] for r in res)
         ratios = [t[ref] / r[key] for r, t in zip(res, trl, strict=True)]  # same completions
         each = ", ".join(f"{x:.2f}x" for x in ratios)
-        out.append(f"| {system} | {what} | {n} | {seconds:.2f} | {n / seconds:.1f} | {statistics.median(ratios):.2f}x "
-                   f"| {each} |")
+        out.append(f"| {system} | {what} | {n} | {seconds:.2f} | {n / seconds:.1f} | "
+                   f"{statistics.median(ratios):.2f}x | {each} |")
     return out
 
 
@@ -212,11 +216,15 @@ def main() -> None:
     parser.add_argument("--model-size", choices=sorted(SIZES), default="tiny",
                         help="tiny: the config's model; 100m: a random ~99M-parameter Qwen2 built here")
     parser.add_argument("--steps", type=int, help="iterations per run (default: 10 tiny, 3 100m); at least 2")
-    parser.add_argument("--repeats", type=int, help="runs of each system, alternating (default: 3 tiny, 1 100m)")
+    parser.add_argument("--repeats", type=int,
+                        help="runs of each system, alternating (default: 3 tiny, 1 100m)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override an hpcrl config key (TRL's settings follow), e.g. executor.checkpoint_every=100")
-    parser.add_argument("--cache-dir", default=str(REPO / ".cache"), help="holds trl-venv/ and the 100m model")
-    parser.add_argument("--keep", action="store_true", help="keep the run directories and logs (path printed)")
+                        help="override an hpcrl config key (TRL's settings follow), "
+                             "e.g. executor.checkpoint_every=100")
+    parser.add_argument("--cache-dir", default=str(REPO / ".cache"),
+                        help="holds trl-venv/ and the 100m model")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the run directories and logs (path printed)")
     args = parser.parse_args()
     size = SIZES[args.model_size]
     steps, repeats = args.steps or size["steps"], args.repeats or size["repeats"]
@@ -250,8 +258,8 @@ def main() -> None:
                     hp.append(run_hpcrl(exp, steps, d, args.keep))
                     res = hp[-1]
                 log(f"  {name}: end to end {res['end to end']:.1f}s, reward {res['reward first']:.3f} -> "
-                    f"{res['reward last']:.3f}" + (f"; steady {trl[-1]['steady']:.1f}s (TRL) vs {res['loop']:.1f}s"
-                                                   if name == "hpcrl" else ""))
+                    f"{res['reward last']:.3f}" + (f"; steady {trl[-1]['steady']:.1f}s (TRL) vs "
+                                                   f"{res['loop']:.1f}s" if name == "hpcrl" else ""))
     finally:
         if args.keep:
             log(f"kept {work}")
@@ -259,14 +267,15 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
     params = trl[0]["params"]
-    print(f"{args.model_size} ({params / 1e6:.2f}M parameters), {exp.algorithm.prompts_per_iteration} prompts x "
-          f"{exp.algorithm.group_size} samples x <= {exp.generate.max_tokens} tokens per iteration, "
-          f"{exp.update.mini_batches} optimizer steps per iteration, {steps} iterations; median of {repeats} "
-          "alternating runs; ratio: median over repeats of completions/s / TRL's in the same repeat "
-          "(each hpcrl row against the TRL row above it)")
+    print(f"{args.model_size} ({params / 1e6:.2f}M parameters), {exp.algorithm.prompts_per_iteration} "
+          f"prompts x {exp.algorithm.group_size} samples x <= {exp.generate.max_tokens} tokens per "
+          f"iteration, {exp.update.mini_batches} optimizer steps per iteration, {steps} iterations; "
+          f"median of {repeats} alternating runs; ratio: median over repeats of completions/s / TRL's "
+          "in the same repeat (each hpcrl row against the TRL row above it)")
     print("\n".join(table(trl, hp, per_iter, steps)))
     print(f"\nmean sampled reward, first -> last iteration (median): TRL "
-          f"{statistics.median(r['reward first'] for r in trl):.3f} -> {statistics.median(r['reward last'] for r in trl):.3f}"
+          f"{statistics.median(r['reward first'] for r in trl):.3f} -> "
+          f"{statistics.median(r['reward last'] for r in trl):.3f}"
           f", hpcrl {statistics.median(r['reward first'] for r in hp):.3f} -> "
           f"{statistics.median(r['reward last'] for r in hp):.3f}")
 

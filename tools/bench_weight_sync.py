@@ -33,8 +33,9 @@ def model_tensors(hidden: int, layers: int) -> list[tuple[str, torch.Tensor]]:
     out = [("embed", torch.randn(32000, hidden, generator=g))]
     for i in range(layers):
         for name, shape in (("q", (hidden, hidden)), ("k", (hidden, hidden)), ("v", (hidden, hidden)),
-                            ("o", (hidden, hidden)), ("gate", (4 * hidden, hidden)), ("up", (4 * hidden, hidden)),
-                            ("down", (hidden, 4 * hidden)), ("norm", (hidden,))):
+                            ("o", (hidden, hidden)), ("gate", (4 * hidden, hidden)),
+                            ("up", (4 * hidden, hidden)), ("down", (hidden, 4 * hidden)),
+                            ("norm", (hidden,))):
             out.append((f"layers.{i}.{name}", torch.randn(*shape, generator=g)))
     return out
 
@@ -98,7 +99,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="10M,100M,500M")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    print(f"weight sync, fp32, 2 processes on this machine (median of {args.repeats}); GB/s and share of the bound")
+    print(f"weight sync, fp32, 2 processes on this machine (median of {args.repeats}); "
+          "GB/s and share of the bound")
     print(f"{'model':>6} {'params':>8} {'GB':>6}" + "".join(f"{t:>26}" for t in TRANSPORTS))
     for size in args.sizes.split(","):
         r = bench(size, args.repeats)

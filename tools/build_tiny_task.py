@@ -73,8 +73,10 @@ PARAMS: dict[str, Any] = {
     "pad_width": 4,  # the unrewarded format: "0082"
     "passes": {  # supervised passes, in order
         "sft": {"steps": 1000, "lr": 3e-3, "pad_fraction": 0.0, "cosine": True, "three_term_fraction": 0.0},
-        "three_terms": {"steps": 200, "lr": 1e-3, "pad_fraction": 0.0, "cosine": True, "three_term_fraction": 0.5},
-        "format": {"steps": 300, "lr": 3e-4, "pad_fraction": 0.6, "cosine": False, "three_term_fraction": 0.0},
+        "three_terms": {"steps": 200, "lr": 1e-3, "pad_fraction": 0.0, "cosine": True,
+                        "three_term_fraction": 0.5},
+        "format": {"steps": 300, "lr": 3e-4, "pad_fraction": 0.6, "cosine": False,
+                   "three_term_fraction": 0.0},
     },
     # The format pass goes on, `steps` at a time, until the greedy exact match on two-term sums is at
     # most this: where a pass ends depends on float rounding, which differs between CPUs.
@@ -94,8 +96,8 @@ def build_hash() -> str:
     tree = ast.parse(Path(__file__).read_text())
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                and isinstance(body[0].value.value, str):
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
             node.body = body[1:] or [ast.Pass()]
     blob = ast.dump(tree).encode() + json.dumps(PARAMS, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()
@@ -216,7 +218,8 @@ def encode_batch(
     return ids, labels
 
 
-def draw(rng: random.Random, pairs: list[Problem], test_triples: set[Problem], three_term_fraction: float) -> Problem:
+def draw(rng: random.Random, pairs: list[Problem], test_triples: set[Problem],
+         three_term_fraction: float) -> Problem:
     """One supervised example: a three-term sum with probability three_term_fraction, else a pair."""
     if rng.random() >= three_term_fraction:
         return rng.choice(pairs)
@@ -280,7 +283,8 @@ def evaluate(model: Qwen2ForCausalLM, tok: Tokenizer, problems: list[Problem]) -
         stripped = sum(t.lstrip("0") == g for t, g in zip(texts, truth, strict=True))
         hits["greedy"] += exact
         hits["greedy_stripped"] += stripped
-        result["by_terms"][str(terms)] = {"greedy": exact / len(group), "greedy_stripped": stripped / len(group)}
+        result["by_terms"][str(terms)] = {"greedy": exact / len(group),
+                                          "greedy_stripped": stripped / len(group)}
     return {**{k: v / len(problems) for k, v in hits.items()}, **result}
 
 
@@ -309,7 +313,8 @@ def build_model(
             break
         train(model, tok, pools, rng, **{**PARAMS["passes"]["format"], "steps": target["steps"]})
         accuracy["format"] = evaluate(model, tok, test)
-        print(f"[tiny-task] after {extra * target['steps']} more format steps: {accuracy['format']}", flush=True)
+        print(f"[tiny-task] after {extra * target['steps']} more format steps: {accuracy['format']}",
+              flush=True)
     final = accuracy.pop("format")
     model.generation_config = GenerationConfig(**ids)
     model.save_pretrained(model_dir, safe_serialization=True)

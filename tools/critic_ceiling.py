@@ -35,12 +35,14 @@ def explained_variance(values: np.ndarray, returns: np.ndarray) -> float:
     return float(1 - (returns - values).var() / var) if var > 0 else float("nan")
 
 
-def oracle_values(model, prompt_ids: list[int], response_ids: list[int], answer_ids: list[int]) -> list[float]:
+def oracle_values(model, prompt_ids: list[int], response_ids: list[int],
+                  answer_ids: list[int]) -> list[float]:
     """True value of the state before each response token: P(rest of the answer, then EOS | prefix)."""
     ids = torch.tensor([prompt_ids + answer_ids])
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].double(), -1)
-    steps = logp[torch.arange(len(answer_ids)), torch.tensor(answer_ids)].numpy()  # log p of each answer token
+    # log p of each answer token
+    steps = logp[torch.arange(len(answer_ids)), torch.tensor(answer_ids)].numpy()
     tail = np.exp(np.cumsum(steps[::-1])[::-1])  # tail[t] = P(answer[t:] | answer[:t])
     return [float(tail[t]) if t < len(answer_ids) and response_ids[:t] == answer_ids[:t] else 0.0
             for t in range(len(response_ids))]
@@ -56,7 +58,8 @@ def iteration_report(run: RunDir, exp, k: int, tokenizer) -> dict:
     adv = commit.read_table(run.stage_dir(k, "update"), "advantages").to_pandas()
     metrics = commit.read_manifest(run.stage_dir(k, "update")).get("metrics", {})
     coef = metrics.get("critic/kl_coef", 0.0) if exp.algorithm.kl_mode == "reward" else 0.0
-    model = AutoModelForCausalLM.from_pretrained(run.policy_dir(k, exp.model.path), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(run.policy_dir(k, exp.model.path),
+                                                 dtype=torch.float32).eval()
     eos = tokenizer.eos_token_id
     mc, oracle, prompt_only, critic = [], [], [], []
     for i, row in rollouts.iterrows():
@@ -72,7 +75,8 @@ def iteration_report(run: RunDir, exp, k: int, tokenizer) -> dict:
         oracle.extend(v)
         prompt_only.extend([v[0]] * len(response))
         critic.extend(adv["values"][i] if adv["values"][i] is not None else [0.0] * len(response))
-    mc, oracle, prompt_only, critic = (np.asarray(x, dtype=np.float64) for x in (mc, oracle, prompt_only, critic))
+    mc, oracle, prompt_only, critic = (np.asarray(x, dtype=np.float64)
+                                       for x in (mc, oracle, prompt_only, critic))
     return {"iteration": k, "reward": float(rewards.mean()), "ev_oracle": explained_variance(oracle, mc),
             "ev_prompt": explained_variance(prompt_only, mc), "ev_critic": explained_variance(critic, mc),
             "ev_logged": metrics.get("critic/explained_variance", float("nan"))}
@@ -92,7 +96,8 @@ def main() -> None:
         first, _, last = args.iterations.partition("-")
         iterations = range(int(first), int(last or first) + 1)
     else:
-        iterations = [k for k in range(exp.run.iterations) if commit.read_manifest(run.stage_dir(k, "update"))]
+        iterations = [k for k in range(exp.run.iterations)
+                      if commit.read_manifest(run.stage_dir(k, "update"))]
     print("iteration,reward,ev_oracle,ev_prompt,ev_critic,ev_logged")
     for k in iterations:
         r = iteration_report(run, exp, k, tokenizer)

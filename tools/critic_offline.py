@@ -48,8 +48,9 @@ def sample_rollouts(policy, tokenizer, prompts: list[list[int]], answers: list[s
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])  # left-padded
             attn = (ids != pad).long()
             for _ in range(n):
-                out = policy.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0,
-                                      top_p=1.0, max_new_tokens=max_tokens, eos_token_id=eos, pad_token_id=pad)
+                out = policy.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0,
+                                      top_k=0, top_p=1.0, max_new_tokens=max_tokens, eos_token_id=eos,
+                                      pad_token_id=pad)
                 for b, p in enumerate(chunk):
                     response = out[b, width:].tolist()
                     response = response[: response.index(eos) + 1] if eos in response else response
@@ -101,15 +102,18 @@ def main() -> None:
         seen |= set(commit.read_table(run.stage_dir(k, "generate"), "rollouts")["prompt_text"].to_pylist())
     prompts, answers = [], []
     for row in pq.read_table(exp.data.train).to_pylist():
-        text = tokenizer.apply_chat_template(row[exp.data.prompt_key], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(row[exp.data.prompt_key], tokenize=False,
+                                             add_generation_prompt=True)
         if text not in seen:
             prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
             answers.append(str(row["reward_model"]["ground_truth"]))
     policy = AutoModelForCausalLM.from_pretrained(run.policy_dir(args.policy_version, exp.model.path)).eval()
-    data = sample_rollouts(policy, tokenizer, prompts, answers, args.samples_per_prompt, exp.generate.max_tokens, pad)
+    data = sample_rollouts(policy, tokenizer, prompts, answers, args.samples_per_prompt,
+                           exp.generate.max_tokens, pad)
     returns = {i: [float(data.rewards[i])] * len(data.response_ids[i]) for i in range(len(data))}
     print(f"{len(data)} rollouts of policy v{args.policy_version} on {len(prompts)} prompts (reward "
-          f"{float(data.rewards.mean()):.3f}); explained variance on iterations {list(test_iterations)}:", flush=True)
+          f"{float(data.rewards.mean()):.3f}); explained variance on iterations {list(test_iterations)}:",
+          flush=True)
     model = load_value_model(exp.model.path, getattr(torch, exp.model.dtype))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     done = 0
@@ -125,7 +129,8 @@ def main() -> None:
             optimizer.step()
         done = target
         evs = explained_variances(model, test, pad)
-        print(f"step {target:5d}: mean {np.mean(evs):.3f}  (" + " ".join(f"{x:.3f}" for x in evs) + ")", flush=True)
+        print(f"step {target:5d}: mean {np.mean(evs):.3f}  (" + " ".join(f"{x:.3f}" for x in evs) + ")",
+              flush=True)
 
 
 if __name__ == "__main__":

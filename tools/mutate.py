@@ -4,8 +4,10 @@ tests that exercise it, one table of scores at the end (`make mutate`; docs/test
 
     python tools/mutate.py [--list] [--diffs] [--max-children N] [GROUP ...]
 
-GROUPS below names each group's modules and test files; DEFAULT runs the groups that fit in 30 min, `all` every
-group. A group runs in its own scratch directory, mutants/<group>/: links to the sources and a setup.cfg whose [mutmut]
+GROUPS below names each group's modules and test files; \
+DEFAULT runs the groups that fit in 30 min, `all` every
+group. A group runs in its own scratch directory, mutants/<group>/: \
+links to the sources and a setup.cfg whose [mutmut]
 section is the project's with `only_mutate` and `pytest_add_cli_args_test_selection` set to the
 group. There mutmut copies the project into mutants/<group>/mutants/, records which of the
 group's tests call each function, and runs every mutant against those tests only, forked from a
@@ -91,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"{', '.join(GROUPS)} or all (default: {' '.join(DEFAULT)})")
     parser.add_argument("--list", action="store_true", help="print the groups and exit")
     parser.add_argument("--diffs", action="store_true", help="print the diff of every surviving mutant")
-    parser.add_argument("--max-children", type=int, default=os.cpu_count() or 1, help="mutants tested at once")
+    parser.add_argument("--max-children", type=int, default=os.cpu_count() or 1,
+                        help="mutants tested at once")
     args = parser.parse_args(argv)
     groups = list(GROUPS) if args.groups == ["all"] else args.groups or list(DEFAULT)
     unknown = sorted(set(groups) - set(GROUPS))
@@ -113,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         root = scratch(group, cfg)
         t0 = time.monotonic()
         print(f"== {group}: {', '.join(GROUPS[group][0])} against {', '.join(GROUPS[group][1])}", flush=True)
-        run = subprocess.run([str(mutmut), "run", "--max-children", str(args.max_children)], cwd=root, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        run = subprocess.run([str(mutmut), "run", "--max-children", str(args.max_children)], cwd=root,
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         tail = run.stdout.strip().splitlines()[-3:]
         print(f"   {time.monotonic() - t0:.0f} s; " + " | ".join(line.strip() for line in tail), flush=True)
         if run.returncode:
@@ -127,15 +130,17 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((f"hpcrl/{module}.py", row))
             survivors += [(root, name) for name in names]
     print(f"\nwall time {time.monotonic() - start:.0f} s\n")
-    print(f"{'module':28} {'mutants':>7} {'killed':>7} {'survived':>8} {'timeout':>7} {'other':>5} {'score':>6}")
+    print(f"{'module':28} {'mutants':>7} {'killed':>7} {'survived':>8} {'timeout':>7} {'other':>5} "
+          f"{'score':>6}")
     for module, r in rows:
         score = (r["killed"] + r["timeout"]) / max(r["mutants"], 1)
-        print(f"{module:28} {r['mutants']:7} {r['killed']:7} {r['survived']:8} {r['timeout']:7} {r['other']:5} "
-              f"{score:6.1%}")
+        print(f"{module:28} {r['mutants']:7} {r['killed']:7} {r['survived']:8} {r['timeout']:7} "
+              f"{r['other']:5} {score:6.1%}")
     print(f"\n{len(survivors)} surviving mutants" + (":" if survivors else ""))
     for root, name in survivors:
         if args.diffs:
-            shown = subprocess.run([str(mutmut), "show", name], cwd=root, env=env, capture_output=True, text=True)
+            shown = subprocess.run([str(mutmut), "show", name], cwd=root, env=env, capture_output=True,
+                                   text=True)
             print(shown.stdout.rstrip() or shown.stderr.rstrip())
         else:
             print(f"  {name}")

@@ -37,7 +37,8 @@ def prompts_and_answers(path: str, tokenizer) -> tuple[list[str], list[str]]:
     import pyarrow.parquet as pq
 
     rows = pq.read_table(path, columns=["prompt", "reward_model"]).to_pylist()
-    texts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
+    texts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
+             for r in rows]
     return texts, [str(r["reward_model"]["ground_truth"]) for r in rows]
 
 
@@ -48,12 +49,14 @@ def exact_match(completions: list[str], ground_truth: list[str], **_) -> list[fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="HF model directory (copied to a temporary directory first)")
+    parser.add_argument("--model", required=True,
+                        help="HF model directory (copied to a temporary directory first)")
     parser.add_argument("--train", required=True, help="verl-layout parquet of training prompts")
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--prompts", type=int, default=32, help="prompts per iteration")
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--mini-batches", type=int, default=2, help="optimizer steps per pass over an iteration's batch")
+    parser.add_argument("--mini-batches", type=int, default=2,
+                        help="optimizer steps per pass over an iteration's batch")
     parser.add_argument("--micro-batch", type=int, default=128, help="sequences per forward/backward")
     parser.add_argument("--ppo-epochs", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=8)
@@ -75,7 +78,8 @@ def main() -> None:
 
     completions = args.prompts * args.group_size
     if completions % args.mini_batches:
-        parser.error(f"--prompts x --group-size = {completions} must split into --mini-batches {args.mini_batches}")
+        parser.error(f"--prompts x --group-size = {completions} must split into "
+                     f"--mini-batches {args.mini_batches}")
     mini_batch = completions // args.mini_batches
     micro_batch = min(args.micro_batch, mini_batch)
     if mini_batch % micro_batch:
@@ -137,7 +141,8 @@ def main() -> None:
         train_end = time.perf_counter()
     with open(args.out, "w") as f:
         json.dump({"process_start": PROCESS_START, "train_start": train_start, "train_end": train_end,
-                   "iteration_end": iteration_end, "rewards": rewards, "completions_per_iteration": completions,
+                   "iteration_end": iteration_end, "rewards": rewards,
+                   "completions_per_iteration": completions,
                    "params": sum(p.numel() for p in model.parameters()),
                    "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
                                 "torch": torch.__version__}}, f, indent=1)
