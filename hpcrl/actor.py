@@ -54,19 +54,20 @@ class Actor:
         self.engine = trainer.make_engine(model, u.lr, exp, world_size, grad_accum, state_dir)
         self.policy_loss = losses.policy_loss(exp.algorithm)
         self.ref_model = None
-        if exp.algorithm.kl_coef > 0:
+        if exp.algorithm.kl.coef > 0:
             self.ref_model = AutoModelForCausalLM.from_pretrained(exp.model.path, dtype=dtype).to(
                 self.engine.device).eval()
         self.critic = None
-        if exp.algorithm.name == "ppo":
+        if exp.algorithm.critic is not None:  # ppo
             from hpcrl.critic import Critic
 
-            self.critic = Critic(exp, rank, world_size, critic_path or exp.algorithm.critic_path or exp.model.path,
+            self.critic = Critic(exp, rank, world_size, critic_path or exp.algorithm.critic.path or exp.model.path,
                                  critic_state, grad_accum, self.pad_id)
 
     @classmethod
     def for_version(cls, exp: Experiment, run, version: int, rank: int, world_size: int) -> Actor:
-        critic_path = run.critic_dir(version, exp.algorithm.critic_path or exp.model.path)
+        c = exp.algorithm.critic
+        critic_path = run.critic_dir(version, c.path or exp.model.path) if c is not None else None
         return cls(exp, rank, world_size, run.policy_dir(version, exp.model.path), run.trainer_state_dir(version),
                    critic_path, run.critic_state_dir(version))
 

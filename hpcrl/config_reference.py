@@ -10,7 +10,7 @@ from typing import Any, Literal
 import tomli_w
 from pydantic import BaseModel
 
-from hpcrl.config import RESUMABLE_CHANGES, Experiment
+from hpcrl.config import RESUMABLE_CHANGES, Experiment, sections_of
 
 
 def _toml_value(value: Any) -> str:
@@ -19,34 +19,46 @@ def _toml_value(value: Any) -> str:
     return tomli_w.dumps({"x": value})[4:].strip()
 
 
-def _fields(model: type[BaseModel], defaults: BaseModel | None):
-    """(name, field, default) of a section's own keys, and (name, field) of its nested sections."""
-    own, nested = [], []
-    for name, f in model.model_fields.items():
-        ann = f.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            nested.append((name, f))
-        else:
-            own.append((name, f, getattr(defaults, name) if defaults is not None else f.default))
+def _choices(models: list[type[BaseModel]], name: str) -> list:
+    """The values a Literal key takes in any of the section's variants (the executor's modes)."""
+    annotations = [m.model_fields[name].annotation for m in models if name in m.model_fields]
+    return [v for a in annotations if typing.get_origin(a) is Literal for v in typing.get_args(a)]
+
+
+def _fields(models: list[type[BaseModel]], defaults: BaseModel | None):
+    """(name, field, default, choices) of a section's own keys, and (name, field) of its nested
+    sections; a section that is a union of variants has the keys of all, the first's defaults."""
+    own, nested, seen = [], [], set()
+    for model in models:
+        for name, f in model.model_fields.items():
+            if name in seen:
+                continue
+            seen.add(name)
+            if sections_of(f.annotation):
+                nested.append((name, f))
+            else:
+                value = getattr(defaults, name) if defaults is not None else f.default
+                own.append((name, f, value, _choices(models, name)))
     return own, nested
 
 
-def _reference(model: type[BaseModel], section: str, lines: list[str], defaults: BaseModel | None = None) -> None:
-    own, nested = _fields(model, defaults)
+def _reference(models: list[type[BaseModel]], section: str, lines: list[str],
+               defaults: BaseModel | None = None) -> None:
+    own, nested = _fields(models, defaults)
     lines.append(f"[{section}]")
-    for name, f, value in own:
+    for name, f, value, _ in own:
         lines += [f"# {f.description}", f"{name} = {'(required)' if f.is_required() else _toml_value(value)}"]
     lines.append("")
     for name, f in nested:
         lines.append(f"# [{section}.{name}]: {f.description}")
-        _reference(f.annotation, f"{section}.{name}", lines, f.default)
+        _reference(sections_of(f.annotation), f"{section}.{name}", lines, f.default)
 
 
 def reference() -> str:
     """Every key with its default and description, as commented TOML."""
     lines: list[str] = []
     for section, field in Experiment.model_fields.items():
-        _reference(field.annotation, section, lines)
+        _reference(sections_of(field.annotation), section, lines)
     return "\n".join(lines)
 
 
@@ -60,20 +72,20 @@ def _inline(value: Any) -> str:
     return _toml_value(value)
 
 
-def _table(model: type[BaseModel], section: str, description: str, defaults: BaseModel | None) -> list[str]:
+def _table(models: list[type[BaseModel]], section: str, description: str, defaults: BaseModel | None) -> list[str]:
     """One section (and its nested ones) as a Markdown table of key | default | meaning."""
     out = [f"## [{section}]", ""] + ([_cell(description), ""] if description else [])
     out += ["| key | default | meaning |", "|---|---|---|"]
-    own, nested = _fields(model, defaults)
-    for name, f, value in own:
+    own, nested = _fields(models, defaults)
+    for name, f, value, choices in own:
         default = "(required)" if f.is_required() else f"`{_inline(value)}`"
         meaning = _cell(f.description or "")
-        if typing.get_origin(f.annotation) is Literal:
-            meaning += " One of " + ", ".join(f"`{_inline(v)}`" for v in typing.get_args(f.annotation)) + "."
+        if choices:
+            meaning += " One of " + ", ".join(f"`{_inline(v)}`" for v in dict.fromkeys(choices)) + "."
         out.append(f"| `{section}.{name}` | {_cell(default)} | {meaning} |")
     out.append("")
     for name, f in nested:
-        out += _table(f.annotation, f"{section}.{name}", f.description or "", f.default)
+        out += _table(sections_of(f.annotation), f"{section}.{name}", f.description or "", f.default)
     return out
 
 
@@ -104,6 +116,6 @@ def reference_markdown() -> str:
     """The config reference as a Markdown page (docs/configuration.md): a table per section."""
     body: list[str] = []
     for section, field in Experiment.model_fields.items():
-        body += _table(field.annotation, section, "", None)
+        body += _table(sections_of(field.annotation), section, "", None)
     sections = [line[3:] for line in body if line.startswith("## [")]
     return "\n".join(_header(sections) + body).rstrip() + "\n"

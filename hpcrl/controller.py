@@ -43,7 +43,7 @@ def iteration_line(exp: Experiment, run: RunDir, k: int) -> str:
     manifests = {s: commit.read_manifest(run.stage_dir(k, s)) for s in plan.stages_of(exp, k)}
     metrics = {key: v for m in manifests.values() if m for key, v in m["metrics"].items()}
     a = exp.algorithm
-    kl_key = ("actor/ppo_kl" if a.kl_coef <= 0 else "actor/reward_kl_penalty" if a.kl_mode == "reward"
+    kl_key = ("actor/ppo_kl" if a.kl.coef <= 0 else "actor/reward_kl_penalty" if a.kl.mode == "reward"
               else "actor/kl_loss")
     parts = [f"iter {k:>4}/{exp.run.iterations}"]
     for label, key, fmt in (("reward", "critic/score/mean", ".3f"), ("val", "val/score", ".3f"),
@@ -108,7 +108,7 @@ class Controller:
             self.run.record_stop(None)  # a new attempt at the run
             for moved in self.run.rollback():
                 self.echo(f"moved aside {moved.name}: it depends on a policy version that was not saved "
-                          "(executor.checkpoint_every); the run continues from the last saved version")
+                          "(executor.resident.checkpoint_every); the run continues from the last saved version")
             try:
                 if self.exp.executor.mode == "resident":
                     self._drive_resident(executor, tracker)

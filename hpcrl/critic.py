@@ -1,7 +1,7 @@
 """PPO's critic: a value head on the policy's backbone, with its own DeepSpeed engine and optimizer.
 
 The value model is the policy's architecture without its LM head (transformers' AutoModel) plus a
-Linear(hidden, 1) value head, initialised from the policy's weights (or `algorithm.critic_path`)
+Linear(hidden, 1) value head, initialised from the policy's weights (or `algorithm.critic.path`)
 with a zero head, so the first values are 0. The value of response token t is read at the
 position whose logits predict token t: the value of the state before the token is chosen.
 
@@ -70,7 +70,7 @@ class Critic:
 
         self.exp, self.rank, self.world_size, self.pad_id = exp, rank, world_size, pad_id
         model = load_value_model(weights, getattr(torch, exp.model.dtype))
-        self.engine = trainer.make_engine(model, exp.algorithm.critic_lr, exp, world_size, grad_accum, state_dir,
+        self.engine = trainer.make_engine(model, exp.algorithm.critic.lr, exp, world_size, grad_accum, state_dir,
                                           "critic")
 
     @torch.no_grad()
@@ -99,7 +99,7 @@ class Critic:
             mb = mb.to(self.engine.device)
             values = batches.response_outputs(self.engine, mb, "values")
             out = losses.value_loss(values, batches.padded(old_values, mb), batches.padded(returns, mb), mb.mask,
-                                    a.value_clip, n_tokens, a.loss_agg, len(mini))
+                                    a.critic.value_clip, n_tokens, a.loss_agg, len(mini))
             if not torch.isfinite(out.loss):
                 raise FloatingPointError(f"non-finite critic loss ({out.loss.item()}) on rank {self.rank}; the "
                                          "update is not committed and the run stays at the last good version")
@@ -143,7 +143,7 @@ def gae_targets(outcome: torch.Tensor, mask: torch.Tensor, values: torch.Tensor,
                 kl_coef: float, algo: AlgorithmConfig) -> Targets:
     """Token rewards (outcome on the last token, -kl_coef * KL on each), GAE, optional whitening."""
     rewards = advantages.token_rewards(outcome, mask, kl_tokens, kl_coef)
-    adv, ret = advantages.gae(rewards, values.to(torch.float64), mask, algo.gamma, algo.lam)
+    adv, ret = advantages.gae(rewards, values.to(torch.float64), mask, algo.critic.gamma, algo.critic.lam)
     if algo.norm_adv_by_std:
         adv = advantages.masked_whiten(adv, mask)
     return Targets(adv, ret, rewards)

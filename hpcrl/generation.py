@@ -51,7 +51,7 @@ def make_engine(exp: Experiment, model_path: Path, seed: int, worker_extension_c
     if on_gpu():
         kwargs["gpu_memory_utilization"] = exp.generate.gpu_memory_utilization
         kwargs["tensor_parallel_size"] = exp.generate.tensor_parallel_size
-        kwargs["enable_sleep_mode"] = exp.executor.colocate
+        kwargs["enable_sleep_mode"] = exp.executor.mode == "resident" and exp.executor.resident.colocate
     else:  # explicit KV cache size (left unset, vLLM's CPU backend takes most of the node's memory)
         kwargs["kv_cache_memory_bytes"] = int(exp.generate.kv_cache_gib * (1 << 30))
     if worker_extension_cls:

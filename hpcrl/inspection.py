@@ -44,8 +44,8 @@ def metric_columns(exp: Experiment) -> list[tuple[str, str, str]]:
     """The table's columns for this run: actor/kl_loss only when a KL penalty is configured (the
     per-sample KL to the reference when it is a reward); the critic's explained variance for ppo."""
     a = exp.algorithm
-    metrics = [m for m in METRICS if m[0] != "actor/kl_loss" or a.kl_coef > 0]
-    if a.kl_coef > 0 and a.kl_mode == "reward":
+    metrics = [m for m in METRICS if m[0] != "actor/kl_loss" or a.kl.coef > 0]
+    if a.kl.coef > 0 and a.kl.mode == "reward":
         metrics = [("actor/reward_kl_penalty", "kl_ref", ".2e") if m[0] == "actor/kl_loss" else m for m in metrics]
     if a.name == "ppo":
         metrics.append(("critic/explained_variance", "ev", ".3f"))

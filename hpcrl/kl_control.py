@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hpcrl.config import AlgorithmConfig
+from hpcrl.config_training import KLConfig
 
 FILE = "kl_control.json"
 MAX_ERROR = 0.2
@@ -47,18 +47,18 @@ class KLControl:
         (stage_dir / FILE).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
 
 
-def current_coef(algo: AlgorithmConfig, previous_update: Path | None) -> float:
-    """The coefficient for this update: kl_coef when fixed, else what the previous update set."""
-    if algo.kl_target <= 0 or previous_update is None:
-        return algo.kl_coef
+def current_coef(kl: KLConfig, previous_update: Path | None) -> float:
+    """The coefficient for this update: kl.coef when fixed, else what the previous update set."""
+    if kl.target <= 0 or previous_update is None:
+        return kl.coef
     path = previous_update / FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: missing; the adaptive KL controller (algorithm.kl_target > 0) needs the "
+        raise FileNotFoundError(f"{path}: missing; the adaptive KL controller (algorithm.kl.target > 0) needs the "
                                 "coefficient the previous update recorded")
     return float(json.loads(path.read_text())["next_kl_coef"])
 
 
-def step(algo: AlgorithmConfig, coef: float, kl: float, n_samples: int) -> KLControl:
+def step(cfg: KLConfig, coef: float, kl: float, n_samples: int) -> KLControl:
     """This update's record: the next coefficient is `coef` again unless the controller is adaptive."""
-    nxt = adaptive_kl_coef(coef, kl, algo.kl_target, algo.kl_horizon, n_samples) if algo.kl_target > 0 else coef
+    nxt = adaptive_kl_coef(coef, kl, cfg.target, cfg.horizon, n_samples) if cfg.target > 0 else coef
     return KLControl(coef, kl, nxt)

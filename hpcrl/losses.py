@@ -189,13 +189,13 @@ def register_policy_loss(name: str) -> Callable[[Callable[..., PolicyLossFn]], C
 def ppo_clip_loss(a) -> PolicyLossFn:
     """`ppo_clip` with the algorithm config's clip range, dual clip, KL estimator, aggregation and
     entropy weight (`a` is hpcrl.config's AlgorithmConfig)."""
-    return functools.partial(ppo_clip, clip_ratio=a.clip_ratio, kl_estimator=a.kl_estimator,
+    return functools.partial(ppo_clip, clip_ratio=a.clip_ratio, kl_estimator=a.kl.estimator,
                              clip_high=a.clip_ratio_high or None, dual_clip_c=a.dual_clip_c or None, agg=a.loss_agg,
                              entropy_coef=a.entropy_coef)
 
 
-def policy_loss(a, name: str = "ppo_clip") -> PolicyLossFn:
-    """The registered policy loss `name`, built for algorithm config `a`."""
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; registered: {', '.join(POLICY_LOSSES)}")
-    return POLICY_LOSSES[name](a)
+def policy_loss(a) -> PolicyLossFn:
+    """The registered policy loss `a.policy_loss`, built for algorithm config `a`."""
+    if a.policy_loss not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {a.policy_loss!r}; registered: {', '.join(POLICY_LOSSES)}")
+    return POLICY_LOSSES[a.policy_loss](a)

@@ -21,10 +21,25 @@ def _check_model(exp: Experiment) -> tuple[list[str], dict | None]:
 
 
 def _check_critic(exp: Experiment) -> list[str]:
-    path = exp.algorithm.critic_path
-    if exp.algorithm.name == "ppo" and path and not (Path(path) / "config.json").is_file():
-        return [f"algorithm.critic_path: {path}: not an HF model directory (no config.json)"]
+    path = exp.algorithm.critic.path if exp.algorithm.critic is not None else ""
+    if path and not (Path(path) / "config.json").is_file():
+        return [f"algorithm.critic.path: {path}: not an HF model directory (no config.json)"]
     return []
+
+
+def _check_algorithm(exp: Experiment) -> list[str]:
+    """algorithm.name and algorithm.policy_loss against the registries (hpcrl.advantages, hpcrl.losses)."""
+    from hpcrl import advantages, losses
+
+    a, problems = exp.algorithm, []
+    names = [*advantages.ESTIMATORS, "ppo"]
+    if a.name not in names:
+        problems.append(f"algorithm.name: {a.name!r} is not a registered advantage estimator; expected one of "
+                        f"{', '.join(names)}")
+    if a.policy_loss not in losses.POLICY_LOSSES:
+        problems.append(f"algorithm.policy_loss: {a.policy_loss!r} is not a registered policy loss; expected one of "
+                        f"{', '.join(losses.POLICY_LOSSES)}")
+    return problems
 
 
 def _check_tokenizer(exp: Experiment, model_cfg: dict | None):
@@ -145,7 +160,7 @@ def check(exp: Experiment, source: str) -> list[str]:
     problems, model_cfg = _check_model(exp)
     tok_problems, tok = _check_tokenizer(exp, model_cfg)
     data_problems, notes = _check_data(exp, tok)
-    problems += (tok_problems + data_problems + _check_critic(exp) + _check_rewards(exp) + _check_batch(exp)
+    problems += (tok_problems + data_problems + _check_algorithm(exp) + _check_critic(exp) + _check_rewards(exp) + _check_batch(exp)
                  + _check_slurm(exp))
     if problems:
         raise ConfigError(f"{source}: the experiment cannot run:\n  " + "\n  ".join(problems))

@@ -9,13 +9,13 @@ hpcrl.stage.run_stage, so a resident run commits exactly the outputs of a staged
 resumed, inspected, replayed, or continued in the other mode.
 
 For the update of iteration k the generator sends a command; the trainers run the update, and
-trainer 0 hands the weights over through the transport `executor.weight_sync` names
+trainer 0 hands the weights over through the transport `executor.resident.weight_sync` names
 (hpcrl.transports: a process group, a shared-memory file on one node, or the filesystem), for the
 generator's vLLM workers to load in place (hpcrl.vllm_ext). Then both sides compute
 logprobs of a fixed probe batch: a mismatch stops the run (hpcrl.weight_sync.check_probe).
 The trainers commit the update (with the policy and trainer state every
-`executor.checkpoint_every` updates) in the background while the generator samples the next
-batch (`executor.overlap_commit`); that generation commits only once the update it depends on
+`executor.resident.checkpoint_every` updates) in the background while the generator samples the next
+batch (`executor.resident.overlap_commit`); that generation commits only once the update it depends on
 has, so the run directory never holds a stage whose input is not committed.
 """
 
@@ -40,7 +40,7 @@ PROBE_PROMPTS = 4
 
 def checkpoint_due(exp: Experiment, iteration: int) -> bool:
     """Whether the update of `iteration` saves the policy and trainer state."""
-    return (iteration + 1) % exp.executor.checkpoint_every == 0 or iteration + 1 == exp.run.iterations
+    return (iteration + 1) % exp.executor.resident.checkpoint_every == 0 or iteration + 1 == exp.run.iterations
 
 
 def probe_sequences(exp: Experiment, tokenizer) -> list[list[int]]:
@@ -60,10 +60,10 @@ def _sync_setup(exp: Experiment, run: RunDir, plane: ControlPlane, me: str, peer
     here = os.environ.get("SLURMD_NODENAME") or os.uname().nodename  # Slurm's node name, else the host's
     plane.store.set(f"host/{me}", here)
     hosts = {me: here, peer: plane.store.get(f"host/{peer}").decode()}
-    name = transports.choose(exp.executor.weight_sync, hosts["trainer0"], hosts["generator"], _backend() == "nccl")
+    name = transports.choose(exp.executor.resident.weight_sync, hosts["trainer0"], hosts["generator"], _backend() == "nccl")
     return transports.SyncSetup(name, plane.host, plane.port, engines=1, tp=exp.generate.tensor_parallel_size,
-                                timeout_s=exp.executor.collective_timeout_s,
-                                bucket_bytes=int(exp.executor.sync_bucket_mb * (1 << 20)), backend=_backend(),
+                                timeout_s=exp.executor.resident.collective_timeout_s,
+                                bucket_bytes=int(exp.executor.resident.sync_bucket_mb * (1 << 20)), backend=_backend(),
                                 directory=str(run.root / "resident" / "weights"))
 
 
@@ -91,7 +91,7 @@ class ResidentCall(submitit.helpers.Checkpointable):
             raise RuntimeError(f"the resident job has {world} tasks; update.world_size = {exp.update.world_size} "
                                f"needs {layout.world_size} (trainers + 1 generator)")
         plane = ControlPlane(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, layout,
-                             exp.executor.stall_s, exp.executor.collective_timeout_s)
+                             exp.executor.resident.stall_s, exp.executor.resident.collective_timeout_s)
         plane.start_monitor()
         role, role_rank = layout.role(rank)
         try:
@@ -101,7 +101,7 @@ class ResidentCall(submitit.helpers.Checkpointable):
                 Generator(run, exp, plane).drive()
         except BaseException as err:
             if _lost_peer(err):  # a peer died mid-transfer: let the monitor name it (it ends this process)
-                time.sleep(exp.executor.stall_s + 2 * HEARTBEAT_S)
+                time.sleep(exp.executor.resident.stall_s + 2 * HEARTBEAT_S)
             plane.fail(f"{type(err).__name__}: {err}".splitlines()[0] + f" (on {os.uname().nodename})")
             traceback.print_exc()
             time.sleep(2 * HEARTBEAT_S)  # the other tasks' monitors read the flag before rank 0's store goes
@@ -157,7 +157,7 @@ class Trainer:
         # the probe under the current weights: the previous update's "new", or computed once
         old = self.last_probe if self.last_probe is not None else self.actor.sequence_logprobs(probe)
         attempt = OpenStage(UPDATE, self.run.root, k, self.rank, self.exp.update.world_size, startup=0.0)
-        overlap = self.exp.executor.overlap_commit
+        overlap = self.exp.executor.resident.overlap_commit
         if attempt.ctx is not None:
             attempt.run(self.stage.run)
             if not overlap:
@@ -254,7 +254,7 @@ class Generator:
             self.committing = None
 
     def _update(self, k: int) -> None:
-        colocate = self.exp.executor.colocate and _backend() == "nccl"
+        colocate = self.exp.executor.resident.colocate and _backend() == "nccl"
         if colocate:  # free vLLM's GPU memory (weights and KV cache) for the update
             self.llm.sleep(level=2)
         seq = self.plane.send({"op": UPDATE, "iteration": k, "checkpoint": checkpoint_due(self.exp, k),
@@ -266,13 +266,13 @@ class Generator:
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
         self.gen.version = k + 1
-        self.committing = k if self.exp.executor.overlap_commit else None
+        self.committing = k if self.exp.executor.resident.overlap_commit else None
         from hpcrl import generation
 
         t0 = time.perf_counter()
         engine_lp = generation.sequence_logprobs(self.llm, self.probe)
         metrics = weight_sync.check_probe(engine_lp, reply["probe_new"], reply["probe_old"],
-                                          weight_sync.probe_tolerance(self.exp), version=k + 1)
+                                          weight_sync.probe_tolerance(self.exp.executor.resident.sync_check_tol, self.exp.model.dtype), version=k + 1)
         metrics["sync/probe_s"] = time.perf_counter() - t0
         nbytes = float(reply["handoff"]["bytes"])
         self.gen.metrics = {**metrics, "sync/seconds": sync_s, "sync/bytes": nbytes,

@@ -144,7 +144,7 @@ class ControlPlane:
             self.store.wait([key], timedelta(seconds=self.timeout_s))
         except RuntimeError as err:
             raise RoleFailedError(self.failure() or f"{self.layout.name(self.rank)}: nothing came on {key} "
-                                  f"within executor.collective_timeout_s = {self.timeout_s:.0f} s") from err
+                                  f"within executor.resident.collective_timeout_s = {self.timeout_s:.0f} s") from err
         return self.store.get(key).decode()
 
     def send(self, command: dict) -> int:

@@ -10,7 +10,7 @@
 Policy version 0 is the configured base model; version v > 0 is written, with the DeepSpeed
 state that produced it (and, for PPO, the critic trained with it: `critic/`, its DeepSpeed state
 in `trainer/critic/`), by the update stage of iteration v - 1 and committed with it. The staged
-mode saves every version; the resident mode saves every `executor.checkpoint_every`-th (and the
+mode saves every version; the resident mode saves every `executor.resident.checkpoint_every`-th (and the
 last), so there a committed update may hold no `policy/`. A run continues from its latest saved
 version: stages committed after it are moved aside (`rollback`), never overwritten.
 """
@@ -75,7 +75,7 @@ class RunDir:
 
     def critic_dir(self, version: int, initial: str | os.PathLike) -> Path:
         """PPO's critic trained alongside a policy version (HF-style backbone + value_head.safetensors);
-        for version 0, `initial` (algorithm.critic_path, else the base model)."""
+        for version 0, `initial` (algorithm.critic.path, else the base model)."""
         if version == 0:
             return Path(initial)
         return self.stage_dir(version - 1, UPDATE) / "critic"

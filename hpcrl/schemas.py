@@ -80,7 +80,7 @@ UPDATE_STATS = pa.schema(
         pa.field("grad_norm", pa.float64()),
         pa.field("lr", pa.float64()),
         pa.field("tokens", pa.int64()),
-        # ppo only (null otherwise; the policy columns are null during algorithm.critic_warmup)
+        # ppo only (null otherwise; the policy columns are null during algorithm.critic.warmup)
         pa.field("vf_loss", pa.float64()),
         pa.field("vf_clipfrac", pa.float64()),
         pa.field("vf_grad_norm", pa.float64()),

@@ -218,7 +218,7 @@ class Stage(ABC):
     def run(self, ctx: StageContext) -> None:
         """The stage of ctx.iteration: read its committed inputs, compute, write its tables."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (an optional hook)
         """Release what `setup` started (worker processes); the resident loop calls it at the end."""
 
     def job(self, ctx: StageContext) -> None:

@@ -1,5 +1,5 @@
 """How the resident mode's weights travel from trainer 0 to the vLLM workers: one interface, a
-registry of transports by name (`executor.weight_sync`), and the rank arithmetic of the
+registry of transports by name (`executor.resident.weight_sync`), and the rank arithmetic of the
 weight-sync group.
 
 A `Transport` has a send side (trainer 0: `open_sender`, then `send` per update, which returns
@@ -120,14 +120,14 @@ def make(setup: SyncSetup | dict) -> Transport:
 
 
 def choose(setting: str, trainer_host: str, generator_host: str, cuda: bool) -> str:
-    """The transport a resident job uses (`executor.weight_sync`); "auto": shared memory when
+    """The transport a resident job uses (`executor.resident.weight_sync`); "auto": shared memory when
     trainer 0 and the generator share a node and the weights are on CPU, else a process group
     (NCCL between GPUs, gloo across nodes). Shared memory across nodes is refused."""
     if setting == "auto":
         same_cpu_node = trainer_host == generator_host and not cuda and hasattr(os, "memfd_create")
         return "shared_memory" if same_cpu_node else "process_group"
     if setting == "shared_memory" and trainer_host != generator_host:
-        raise RuntimeError(f"executor.weight_sync = \"shared_memory\" needs trainer 0 and the generator on one node; "
+        raise RuntimeError(f"executor.resident.weight_sync = \"shared_memory\" needs trainer 0 and the generator on one node; "
                            f"they are on {trainer_host} and {generator_host}: use \"process_group\" or \"auto\"")
     return setting
 

@@ -96,15 +96,15 @@ class Update:
         self.steps = [(epoch, mini) for epoch in range(exp.update.ppo_epochs)
                       for mini in trainer.split_mini_batches(self.samples.group_ids.tolist(), exp.update.mini_batches,
                                                                ctx.seed, epoch)]
-        self.trains_policy = actor.critic is None or k >= a.critic_warmup
+        self.trains_policy = actor.critic is None or k >= a.critic.warmup
         # Until the first optimizer step the policy is the old one, so the first mini-batch's old
         # logprobs come from its own training forward pass; unless GAE must price the reference KL
-        # into the rewards before any step (kl_mode "reward"). A KL in the loss is priced (for
+        # into the rewards before any step (kl.mode "reward"). A KL in the loss is priced (for
         # the controller and the metrics) after that step, once the old logprobs cover the batch.
         self.own_old = (a.old_logprobs == "recompute" and self.trains_policy
-                        and not (actor.ref_model is not None and a.kl_mode == "reward"))
-        self.coef = kl_control.current_coef(a, previous) if actor.ref_model is not None else 0.0
-        self.loss_coef = self.coef if a.kl_mode == "loss" else 0.0
+                        and not (actor.ref_model is not None and a.kl.mode == "reward"))
+        self.coef = kl_control.current_coef(a.kl, previous) if actor.ref_model is not None else 0.0
+        self.loss_coef = self.coef if a.kl.mode == "loss" else 0.0
 
     def run(self) -> None:
         ctx, k = self.ctx, self.ctx.iteration
@@ -139,7 +139,7 @@ class Update:
         if actor.critic is None:
             adv = advantages.compute(a.name, samples.rewards, samples.group_ids, a.norm_adv_by_std)
             return UpdateState(old, ref, adv, control=control, metrics=metrics)
-        reward_coef = control.kl_coef if control is not None and a.kl_mode == "reward" else 0.0
+        reward_coef = control.kl_coef if control is not None and a.kl.mode == "reward" else 0.0
         adv, old_values, returns = self._gae(mask, kl_tokens, reward_coef, metrics)
         return UpdateState(old, ref, adv, old_values, returns, control, metrics)
 
@@ -196,8 +196,8 @@ class Update:
         coefficient, and its KL control record."""
         a, samples = self.exp.algorithm, self.samples
         mask = trainer.response_mask([len(r) for r in samples.response_ids])
-        kl_tokens = losses.kl_penalty(trainer.pad_rows(old, mask), trainer.pad_rows(ref, mask), a.kl_estimator) * mask
-        control = kl_control.step(a, self.coef, kl_control.sequence_kl(kl_tokens, mask), len(samples))
+        kl_tokens = losses.kl_penalty(trainer.pad_rows(old, mask), trainer.pad_rows(ref, mask), a.kl.estimator) * mask
+        control = kl_control.step(a.kl, self.coef, kl_control.sequence_kl(kl_tokens, mask), len(samples))
         metrics.update({"critic/kl_coef": self.coef, "actor/reward_kl_penalty": control.kl})
         return kl_tokens, control
 

@@ -195,11 +195,12 @@ class WeightSyncError(RuntimeError):
     """The generator's weights do not match the trainer's after a sync."""
 
 
-def probe_tolerance(exp) -> float:
-    """Largest accepted mean |logprob difference| on the probe batch (config, else by dtype)."""
-    if exp.executor.sync_check_tol:
-        return exp.executor.sync_check_tol
-    return 1e-4 if exp.model.dtype == "float32" else 2e-2
+def probe_tolerance(sync_check_tol: float, dtype: str) -> float:
+    """Largest accepted mean |logprob difference| on the probe batch: `executor.resident.sync_check_tol`
+    when set, else by the weights' dtype."""
+    if sync_check_tol:
+        return sync_check_tol
+    return 1e-4 if dtype == "float32" else 2e-2
 
 
 def _mean_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
@@ -228,7 +229,7 @@ def check_probe(engine: list[list[float]], trainer_new: list[list[float]], train
         stale = " (it matches the previous weights: the sync did not happen)" if diff_old < diff_new else ""
         raise WeightSyncError(f"after loading policy version {version}, vLLM's logprobs on the probe batch differ "
                               f"from the trainer's by {diff_new:.2e} on average, above the tolerance {tol:.0e} "
-                              f"(executor.sync_check_tol){stale}; stopping rather than training on stale or "
+                              f"(executor.resident.sync_check_tol){stale}; stopping rather than training on stale or "
                               "corrupted weights")
     if shift > tol and diff_old <= diff_new:
         raise WeightSyncError(f"after loading policy version {version}, vLLM matches the previous weights "

@@ -38,7 +38,7 @@ def write_config(root: Path, iterations: int, *, eval_every: int = 5, kl_coef: f
         "model": {"path": str(model_path)},
         "data": {"train": "/synthetic/train.parquet", "test": "/synthetic/test.parquet"},
         "algorithm": {"group_size": group_size, "prompts_per_iteration": prompts_per_iteration,
-                      "kl_coef": kl_coef},
+                      "kl": {"coef": kl_coef}},
         "generate": {"max_tokens": max_tokens},
         "update": {"mini_batches": mini_batches},
         "tracking": {"enabled": False},
@@ -194,7 +194,7 @@ def commit_update(run: RunDir, exp: Experiment, k: int, rollouts: pa.Table, scor
         "loss": rng.normal(0, 0.05, steps), "pg_loss": rng.normal(0, 0.05, steps),
         "pg_clipfrac": 0.02 * decay + 0.005 * rng.random(steps),
         "ppo_kl": 2e-3 * decay + 5e-4 * rng.random(steps),
-        "kl_ref": (1e-2 * (1 - decay) + 1e-3 * rng.random(steps)) if exp.algorithm.kl_coef > 0
+        "kl_ref": (1e-2 * (1 - decay) + 1e-3 * rng.random(steps)) if exp.algorithm.kl.coef > 0
         else np.zeros(steps),
         "entropy": 0.3 * decay + 0.05 * rng.random(steps), "grad_norm": 1 + 2 * rng.random(steps),
         "lr": np.full(steps, exp.update.lr), "tokens": np.full(steps, 1000, np.int64),
@@ -202,7 +202,7 @@ def commit_update(run: RunDir, exp: Experiment, k: int, rollouts: pa.Table, scor
     n = train.num_rows
     advantages = pa.table({**{c: train[c] for c in schemas.SAMPLE_KEYS}, "advantage": adv,
                            "old_logprobs": train["logprobs"],
-                           "ref_logprobs": train["logprobs"] if exp.algorithm.kl_coef > 0
+                           "ref_logprobs": train["logprobs"] if exp.algorithm.kl.coef > 0
                            else pa.nulls(n, pa.list_(pa.float32())),
                            **{c: pa.nulls(n, pa.list_(pa.float32()))
                               for c in ("token_advantages", "values", "returns")}})

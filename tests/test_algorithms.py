@@ -259,7 +259,7 @@ def test_gae_targets_of_an_outcome_reward_with_a_kl_penalty():
     from hpcrl.config import AlgorithmConfig
     from hpcrl.critic import gae_targets
 
-    algo = AlgorithmConfig(name="ppo", gamma=1.0, lam=1.0, norm_adv_by_std=False)
+    algo = AlgorithmConfig(name="ppo", critic={"gamma": 1.0, "lam": 1.0}, norm_adv_by_std=False)
     mask = torch.ones(1, 2, dtype=torch.float64)
     values = torch.tensor([[0.25, 0.5]], dtype=torch.float64)
     t = gae_targets(torch.tensor([1.0]), mask, values, torch.tensor([[0.2, 0.4]]), 0.5, algo)
@@ -271,7 +271,7 @@ def test_gae_targets_of_an_outcome_reward_with_a_kl_penalty():
 
 def test_adaptive_kl_controller_by_hand(tmp_path):
     from hpcrl import kl_control
-    from hpcrl.config import AlgorithmConfig
+    from hpcrl.config_training import KLConfig
 
     # KL twice the target: the error is clipped to +0.2 -> coef * (1 + 0.2 * 10 / 100)
     assert kl_control.adaptive_kl_coef(0.1, 2.0, 1.0, 100, 10) == pytest.approx(0.102)
@@ -279,11 +279,11 @@ def test_adaptive_kl_controller_by_hand(tmp_path):
     assert kl_control.adaptive_kl_coef(0.1, 0.9, 1.0, 100, 10) == pytest.approx(0.099)
     assert kl_control.sequence_kl(torch.tensor([[0.1, 0.2, 5.0], [0.3, 0.0, 0.0]]),
                                   torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])) == pytest.approx(0.3)
-    adaptive = AlgorithmConfig(name="ppo", kl_coef=0.1, kl_target=1.0, kl_horizon=100)
-    assert kl_control.current_coef(adaptive, None) == 0.1  # the first update starts from kl_coef
+    adaptive = KLConfig(coef=0.1, target=1.0, horizon=100)
+    assert kl_control.current_coef(adaptive, None) == 0.1  # the first update starts from kl.coef
     kl_control.step(adaptive, 0.1, 2.0, 10).save(tmp_path)
     assert kl_control.current_coef(adaptive, tmp_path) == pytest.approx(0.102)  # the next update reads it
-    fixed = AlgorithmConfig(name="ppo", kl_coef=0.1)
+    fixed = KLConfig(coef=0.1)
     assert kl_control.step(fixed, 0.1, 2.0, 10).next_kl_coef == 0.1
     assert kl_control.current_coef(fixed, tmp_path) == 0.1
 
@@ -474,12 +474,12 @@ def test_kl_controller_details(tmp_path):
     coefficient used and the KL measured, and is written as indented JSON with sorted keys; a missing
     record is named in the error."""
     from hpcrl import kl_control
-    from hpcrl.config import AlgorithmConfig
+    from hpcrl.config_training import KLConfig
 
     # KL 2.2 against target 2: error 0.1 -> coef * (1 + 0.1 * 10 / 100)
     assert kl_control.adaptive_kl_coef(0.5, 2.2, 2.0, 100, 10) == pytest.approx(0.505)
     assert kl_control.sequence_kl(torch.zeros(0, 3), torch.zeros(0, 3)) == 0.0
-    adaptive = AlgorithmConfig(name="ppo", kl_coef=0.5, kl_target=1.0, kl_horizon=100)
+    adaptive = KLConfig(coef=0.5, target=1.0, horizon=100)
     record = kl_control.step(adaptive, 0.5, 2.0, 10)
     assert (record.kl_coef, record.kl, record.next_kl_coef) == (0.5, 2.0, pytest.approx(0.51))
     record.save(tmp_path)

@@ -18,15 +18,19 @@ NON_FINITE = [
     ("update", "weight_decay", float("inf")),
     ("generate", "temperature", float("inf")),
     ("algorithm", "clip_ratio", float("nan")),
-    ("algorithm", "kl_coef", float("inf")),
-    ("algorithm", "gamma", float("nan")),
+    ("algorithm", "kl.coef", float("inf")),
+    ("algorithm", "critic.gamma", float("nan")),
 ]
 
 
 @pytest.mark.parametrize("section, key, value", NON_FINITE)
 def test_a_non_finite_number_is_refused(write_experiment, section, key, value):
     """Pins: update.lr = inf accepted (it trained a non-finite policy)."""
-    path = write_experiment(**{section: {key: value}})
+    *parents, leaf = key.split(".")
+    values = {leaf: value}
+    for parent in reversed(parents):
+        values = {parent: values}
+    path = write_experiment(**{section: values})
     with pytest.raises(ConfigError) as err:
         config.load(path)
     assert (str(path) in str(err.value)

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hpcrl import config, preflight, runs
+from hpcrl import config, config_training, preflight, runs
 from hpcrl.config import ConfigError
 
 
@@ -138,30 +138,50 @@ def test_resume_refuses_changed_config_but_allows_more_iterations(write_experime
 
 
 def test_ppo_only_keys_and_kl_controller_need_their_algorithm(write_experiment):
-    with pytest.raises(ConfigError, match=r"algorithm\.kl_mode: only algorithm\.name = \"ppo\""):
-        config.load(write_experiment(algorithm={"kl_mode": "reward", "kl_coef": 0.1}))
-    with pytest.raises(ConfigError, match=r"algorithm\.critic_warmup: only algorithm\.name = \"ppo\""):
-        config.load(write_experiment(algorithm={"critic_warmup": 2}))
+    with pytest.raises(ConfigError, match=r"algorithm\.kl\.mode: only algorithm\.name = \"ppo\""):
+        config.load(write_experiment(algorithm={"kl": {"mode": "reward", "coef": 0.1}}))
+    with pytest.raises(ConfigError, match=r"algorithm\.critic: only algorithm\.name = \"ppo\" has a critic"):
+        config.load(write_experiment(algorithm={"critic": {"warmup": 2}}))
     with pytest.raises(ConfigError, match=r"algorithm\.group_size: grpo compares samples of one prompt"):
         config.load(write_experiment(algorithm={"group_size": 1, "prompts_per_iteration": 16}))
-    with pytest.raises(ConfigError, match=r"algorithm\.kl_target: .*set kl_coef > 0"):
-        config.load(write_experiment(algorithm={"name": "ppo", "kl_target": 1.0}))
+    with pytest.raises(ConfigError, match=r"algorithm\.kl\.target: .*set coef > 0"):
+        config.load(write_experiment(algorithm={"name": "ppo", "kl": {"target": 1.0}}))
     exp = config.load(write_experiment(algorithm={"name": "ppo", "group_size": 1, "prompts_per_iteration": 16,
-                                                  "kl_mode": "reward", "kl_coef": 0.05, "kl_target": 1.0}))
-    assert exp.algorithm.kl_mode == "reward"
+                                                  "kl": {"mode": "reward", "coef": 0.05, "target": 1.0}}))
+    assert exp.algorithm.kl.mode == "reward" and exp.algorithm.critic == config_training.CriticConfig()
+    assert config.load(write_experiment()).algorithm.critic is None  # grpo has none
+
+
+def test_a_key_that_moved_into_a_section_names_its_new_place(write_experiment):
+    path = write_experiment("old", algorithm={"name": "ppo", "kl_coef": 0.1, "critic_lr": 1e-3, "gamma": 0.9},
+                            executor={"mode": "resident", "weight_sync": "shared_memory"})
+    with pytest.raises(ConfigError) as err:
+        config.load(path)
+    for old, new in [("algorithm.kl_coef", "algorithm.kl.coef"), ("algorithm.critic_lr", "algorithm.critic.lr"),
+                     ("algorithm.gamma", "algorithm.critic.gamma"),
+                     ("executor.weight_sync", "executor.resident.weight_sync")]:
+        assert f"{old}: this key is now {new}" in str(err.value)
+    with pytest.raises(ConfigError, match=r"executor\.resident: only with executor\.mode = \"resident\""):
+        config.load(write_experiment("staged", executor={"resident": {"stall_s": 5}}))
+    from tools.migrate_config import migrate
+
+    path.with_name("m.toml").write_text(migrate(path.read_text()))  # tools/migrate_config.py rewrites it
+    moved = config.load(path.with_name("m.toml"))
+    assert (moved.algorithm.kl.coef, moved.algorithm.critic.lr, moved.executor.resident.weight_sync) == (
+        0.1, 1e-3, "shared_memory")
 
 
 def test_a_critic_path_without_a_model_is_refused(write_experiment, tmp_path):
-    path = write_experiment(algorithm={"name": "ppo", "critic_path": str(tmp_path / "no-critic")})
-    with pytest.raises(ConfigError, match=r"algorithm\.critic_path: .*no-critic: not an HF model directory"):
+    path = write_experiment(algorithm={"name": "ppo", "critic": {"path": str(tmp_path / "no-critic")}})
+    with pytest.raises(ConfigError, match=r"algorithm\.critic\.path: .*no-critic: not an HF model directory"):
         _load_checked(path)
 
 
 def test_shared_memory_weights_need_one_node(write_experiment):
-    resident = {"kind": "slurm", "mode": "resident", "weight_sync": "shared_memory"}
-    with pytest.raises(ConfigError, match=r"executor\.weight_sync: \"shared_memory\" needs trainer 0 and the "
-                                          r"generator on one node, but executor\.resident\.nodes = 2"):
+    resident = {"kind": "slurm", "mode": "resident"}
+    with pytest.raises(ConfigError, match=r"executor\.resident\.weight_sync: \"shared_memory\" needs trainer 0 and "
+                                          r"the generator on one node, but nodes = 2"):
         config.load(write_experiment(update={"world_size": 1},
-                                     executor={**resident, "resident": {"nodes": 2}}))
-    assert (config.load(write_experiment(executor={**resident, "resident": {"nodes": 1}}))
-            .executor.weight_sync == "shared_memory")
+                                     executor={**resident, "resident": {"nodes": 2, "weight_sync": "shared_memory"}}))
+    exp = config.load(write_experiment(executor={**resident, "resident": {"nodes": 1, "weight_sync": "shared_memory"}}))
+    assert exp.executor.resident.weight_sync == "shared_memory"

@@ -19,8 +19,8 @@ from hpcrl.rundir import RunDir
 
 pytestmark = pytest.mark.timeout(900)  # about 90 s on 2 CPU cores
 
-PPO = {"name": "ppo", "gamma": 0.9, "lam": 0.8, "critic_lr": 1e-3, "kl_mode": "reward", "kl_estimator": "k1",
-       "kl_coef": 0.05, "kl_target": 0.5, "kl_horizon": 100.0}
+PPO = {"name": "ppo", "critic": {"gamma": 0.9, "lam": 0.8, "lr": 1e-3},
+       "kl": {"mode": "reward", "estimator": "k1", "coef": 0.05, "target": 0.5, "horizon": 100.0}}
 CRITIC_METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/explained_variance", "critic/values_mean",
                   "critic/kl_coef", "critic/grad_norm", "actor/reward_kl_penalty")
 
@@ -86,7 +86,7 @@ def test_committed_advantages_and_returns_equal_an_independent_gae(ppo_run):
                 continue
             adv, ret = _numpy_gae(reward[row["split"], row["prompt_index"], row["sample_index"]],
                                   row["old_logprobs"], row["ref_logprobs"], row["values"], coef,
-                                  PPO["gamma"], PPO["lam"])
+                                  PPO["critic"]["gamma"], PPO["critic"]["lam"])
             np.testing.assert_allclose(row["returns"], ret, atol=1e-5)
             advs.append(adv)
             rets.append(row)
@@ -141,7 +141,7 @@ def test_a_continued_run_loads_the_critic_and_the_kl_coefficient(ppo_run, tmp_pa
     assert not original.stage_dir(2, "update").exists()
     before = json.loads((run.stage_dir(1, "update") / "kl_control.json").read_text())
     after = json.loads((run.stage_dir(2, "update") / "kl_control.json").read_text())
-    assert after["kl_coef"] == before["next_kl_coef"] != PPO["kl_coef"]  # the controller moved, and resumed
+    assert after["kl_coef"] == before["next_kl_coef"] != PPO["kl"]["coef"]  # the controller moved, and resumed
     metrics = commit.read_manifest(run.stage_dir(2, "update"))["metrics"]
     assert all(math.isfinite(metrics[key]) for key in CRITIC_METRICS)
     assert (run.critic_dir(3, "") / "model.safetensors").is_file()

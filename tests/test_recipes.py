@@ -98,7 +98,7 @@ def test_grpo_recipe_dry_run_writes_scripts_with_its_resources(recipe, update_no
     assert not exp.run_dir.exists()
     sbatch = dry / "sbatch"
     frozen = config.load(dry / "experiment.toml")
-    assert frozen.model.dtype == "bfloat16" and frozen.algorithm.kl_estimator == "k3"
+    assert frozen.model.dtype == "bfloat16" and frozen.algorithm.kl.estimator == "k3"
     assert len(list(sbatch.glob("iter_*-update.sbatch"))) == exp.run.iterations
     update = _directives(sbatch / "iter_000000-update.sbatch")
     assert {f"--nodes={update_nodes}", "--gpus-per-node=8", "--ntasks-per-node=8", "--requeue"} <= update
@@ -118,7 +118,7 @@ def test_the_7b_recipe_shards_the_update_with_zero3_over_32_ranks():
 def test_ppo_recipe_dry_run(tmp_path, tiny_task, gsm8k_data):
     path = _tree("gsm8k-qwen2.5-0.5b-ppo.toml", tmp_path, tiny_task, gsm8k_data)
     exp = config.load(path)
-    assert (exp.algorithm.name, exp.algorithm.group_size, exp.algorithm.critic_lr) == ("ppo", 1, 1e-5)
+    assert (exp.algorithm.name, exp.algorithm.group_size, exp.algorithm.critic.lr) == ("ppo", 1, 1e-5)
     out = _dry_run(path)
     assert out.returncode == 0, out.stderr
     dry = exp.run_dir.parent / "dry-runs" / exp.run.name

@@ -9,11 +9,13 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from datetime import timedelta
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import tomli_w
 import torch
 
 from hpcrl import commit, config, plan
@@ -21,7 +23,12 @@ from hpcrl.rundir import RunDir
 from hpcrl.weight_sync import WeightSyncError, check_probe
 from tests.conftest import task_pid
 
-RESIDENT = {"mode": "resident", "max_retries": 0, "stall_s": 5}
+RESIDENT = {"mode": "resident", "max_retries": 0, "resident": {"stall_s": 5}}
+
+
+def _resident(**keys) -> dict:
+    """The executor section of a resident test run with these [executor.resident] keys."""
+    return {**RESIDENT, "resident": {**RESIDENT["resident"], **keys}}
 
 
 def _hf_logprobs(model, sequences: list[list[int]]) -> list[list[float]]:
@@ -125,9 +132,8 @@ def _same_outputs(a: RunDir, b: RunDir, exp) -> None:
 def test_resident_runs_commit_what_the_staged_run_commits(write_experiment):
     staged = write_experiment("staged")
     # the filesystem run commits each update before the next generation (overlap_commit off)
-    resident = [write_experiment(f"res-{sync}", executor={**RESIDENT, "checkpoint_every": 2,
-                                                          "weight_sync": sync,
-                                                          "overlap_commit": sync != "filesystem"})
+    resident = [write_experiment(f"res-{sync}", executor=_resident(checkpoint_every=2, weight_sync=sync,
+                                                                   overlap_commit=sync != "filesystem"))
                 for sync in ("process_group", "shared_memory", "filesystem")]
     for path in (staged, *resident):
         out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True,
@@ -151,7 +157,7 @@ def test_resident_runs_commit_what_the_staged_run_commits(write_experiment):
             assert update["committed_at"] < generate["committed_at"], (path, k)
             assert (generate["inputs"][f"update@iter_{k:06d}"]
                     == commit.manifest_digest(b.stage_dir(k, "update")))
-            assert ("wait" in generate["timings"]) == exp.executor.overlap_commit
+            assert ("wait" in generate["timings"]) == exp.executor.resident.overlap_commit
 
 
 def test_killed_generator_is_noticed_by_the_monitor_and_the_run_resumes_staged(write_experiment):
@@ -159,7 +165,7 @@ def test_killed_generator_is_noticed_by_the_monitor_and_the_run_resumes_staged(w
     names it), not through a collective timeout (collective_timeout_s is 30 min by default, far
     beyond this test's own limit)."""
     path = write_experiment("kill", run={"iterations": 8, "eval_every": 0},
-                            executor={**RESIDENT, "checkpoint_every": 8})
+                            executor=_resident(checkpoint_every=8))
     exp = config.load(path)
     run = RunDir.at(exp.run_dir)
     proc = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], stdout=subprocess.PIPE,
@@ -182,7 +188,9 @@ def test_killed_generator_is_noticed_by_the_monitor_and_the_run_resumes_staged(w
     # Continue in the staged mode: iteration 0's update saved no policy (checkpoint_every = 8), so it
     # is moved aside and redone; nothing committed is overwritten.
     staged = path.with_name("kill-staged.toml")
-    staged.write_text(path.read_text().replace('mode = "resident"', 'mode = "staged"'))
+    spec = tomllib.loads(path.read_text())
+    del spec["executor"]["resident"]  # a staged executor has no [executor.resident]
+    staged.write_text(tomli_w.dumps({**spec, "executor": {**spec["executor"], "mode": "staged"}}))
     resumed = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(staged)], capture_output=True,
                              text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -172,7 +172,7 @@ def test_committed_update_is_not_run_again(one_rank):
 
 
 def test_kl_penalty_to_the_reference_policy(write_experiment):
-    exp_kl = {"kl_coef": 0.1, "kl_estimator": "k3"}
+    exp_kl = {"kl": {"coef": 0.1, "estimator": "k3"}}
     from transformers import AutoTokenizer
 
     exp = config.load(write_experiment("kl", algorithm=exp_kl, run={"iterations": 1}))
@@ -218,8 +218,8 @@ def test_update_with_rloo_seq_mean_aggregation_clip_variants_and_entropy_bonus(w
     assert all(s["grad_norm"] > 0 for s in stats)
 
 
-PPO = {"name": "ppo", "gamma": 1.0, "lam": 0.95, "critic_lr": 1e-3, "value_clip": 0.2, "kl_mode": "reward",
-       "kl_estimator": "k1", "kl_coef": 0.05, "kl_target": 1.0, "kl_horizon": 100.0}
+PPO = {"name": "ppo", "critic": {"gamma": 1.0, "lam": 0.95, "lr": 1e-3, "value_clip": 0.2},
+       "kl": {"mode": "reward", "estimator": "k1", "coef": 0.05, "target": 1.0, "horizon": 100.0}}
 
 
 def _run_ppo_update(write_experiment, name: str, **update) -> RunDir:
@@ -265,7 +265,7 @@ def test_ppo_critic_update_is_the_same_on_one_and_two_ranks(write_experiment):
     w1, w2 = c1.state_dict(), c2.state_dict()
     assert w1["value_head.weight"].abs().sum() > 0
     diffs = torch.cat([(w1[k] - w2[k]).abs().flatten() for k in w1])
-    assert diffs.max() < 0.5 * PPO["critic_lr"]
+    assert diffs.max() < 0.5 * PPO["critic"]["lr"]
     for d in (d1, d2):
         assert (d / "critic" / HEAD_FILE).is_file() and (d / "critic" / "config.json").is_file()
         assert (d / "trainer" / "critic" / "latest").is_file()

@@ -214,7 +214,7 @@ def test_the_float32_probe_tolerance_catches_weights_delivered_in_bfloat16(tiny_
         for p in rounded.parameters():
             p.copy_(p.to(torch.bfloat16).float())
     served = _logprobs(rounded, probe)
-    tol = probe_tolerance(exp)
+    tol = probe_tolerance(0.0, exp.model.dtype)  # executor.resident.sync_check_tol unset
     assert check_probe(_logprobs(copy.deepcopy(model), probe), trainer, trainer, tol,
                        version=1)["sync/logp_diff"] == 0
     with pytest.raises(WeightSyncError, match=r"differ from the trainer's by [0-9.e+-]+ on average, "

@@ -54,8 +54,8 @@ def build_100m(out: Path) -> Path:
 # The modes compared: the staged mode, and the resident mode with each same-node weight transport.
 MODES = {
     "staged": {"executor.mode": "staged"},
-    "resident, shared memory": {"executor.mode": "resident", "executor.weight_sync": "shared_memory"},
-    "resident, process group": {"executor.mode": "resident", "executor.weight_sync": "process_group"},
+    "resident, shared memory": {"executor.mode": "resident", "executor.resident.weight_sync": "shared_memory"},
+    "resident, process group": {"executor.mode": "resident", "executor.resident.weight_sync": "process_group"},
 }
 
 
@@ -63,8 +63,9 @@ def experiment(name: str, model: str, mode: str, root: Path, iterations: int) ->
     exp = config.load(REPO / "configs" / "demo.toml")
     overrides = {"run.name": f"{name}-{mode.replace(', ', '-').replace(' ', '_')}",
                  "run.runs_root": str(root), "run.iterations": iterations, "run.eval_every": 0,
-                 "data.test": "", "tracking.enabled": False, "executor.checkpoint_every": iterations,
-                 **MODES[mode]}
+                 "data.test": "", "tracking.enabled": False, **MODES[mode]}
+    if mode != "staged":
+        overrides["executor.resident.checkpoint_every"] = iterations
     if model == "100m":
         path = build_100m(REPO / ".cache" / "bench-100m")
         overrides.update({"model.path": str(path), "algorithm.prompts_per_iteration": 8,

@@ -12,7 +12,7 @@ never installed into hpcrl's environment). TRL generates with plain HF `generate
 no vLLM). Its settings are derived from the same hpcrl config: prompts_per_iteration x group_size
 completions generated at once (generation_batch_size), update.mini_batches optimizer steps over
 them (update.micro_batch_size sequences per forward/backward), update.ppo_epochs passes, lr,
-clip_ratio, grad_clip, kl_coef as beta, max_tokens, temperature, and exact-match reward.
+clip_ratio, grad_clip, kl.coef as beta, max_tokens, temperature, and exact-match reward.
 
 What is timed, per system (the first iteration is a warm-up and is left out of the steady rows):
   TRL steady       wall time from the end of iteration 1 to the end of iteration S (a trainer
@@ -20,7 +20,7 @@ What is timed, per system (the first iteration is a warm-up and is left out of t
   TRL train        wall time of trainer.train(), all S iterations (model already loaded)
   hpcrl stages     sum of the generate, score and update stage times (`timings.total` in each
                    iter_*/<stage>/_COMMIT.json) of iterations 2..S; also of all S iterations.
-                   With executor.overlap_commit (the default) the update's checkpoint and commit
+                   With executor.resident.overlap_commit (the default) the update's checkpoint and commit
                    run during the next generation, so this sum counts that time twice.
   hpcrl loop       wall time between the commits of iteration 1's and iteration S's update: what
                    the run takes per iteration in the steady state (weight sync and probe included)
@@ -137,7 +137,7 @@ def run_trl(python: Path, exp: config.Experiment, steps: int, work: Path) -> dic
            "--micro-batch", str(u.micro_batch_size), "--ppo-epochs", str(u.ppo_epochs),
            "--max-tokens", str(exp.generate.max_tokens), "--temperature", str(exp.generate.temperature),
            "--lr", str(u.lr), "--clip", str(a.clip_ratio), "--grad-clip", str(u.grad_clip),
-           "--beta", str(a.kl_coef), "--seed", str(exp.run.seed), "--out", str(out)]
+           "--beta", str(a.kl.coef), "--seed", str(exp.run.seed), "--out", str(out)]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(HF_HUB_OFFLINE="1", HF_HOME=str(work / "hf-home"))
     t0 = time.perf_counter()
@@ -220,7 +220,7 @@ def main() -> None:
                         help="runs of each system, alternating (default: 3 tiny, 1 100m)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override an hpcrl config key (TRL's settings follow), "
-                             "e.g. executor.checkpoint_every=100")
+                             "e.g. executor.resident.checkpoint_every=100")
     parser.add_argument("--cache-dir", default=str(REPO / ".cache"),
                         help="holds trl-venv/ and the 100m model")
     parser.add_argument("--keep", action="store_true",

@@ -57,7 +57,7 @@ def iteration_report(run: RunDir, exp, k: int, tokenizer) -> dict:
     rollouts, rewards = rollouts[keep].reset_index(drop=True), scores["reward"][keep.values].to_numpy()
     adv = commit.read_table(run.stage_dir(k, "update"), "advantages").to_pandas()
     metrics = commit.read_manifest(run.stage_dir(k, "update")).get("metrics", {})
-    coef = metrics.get("critic/kl_coef", 0.0) if exp.algorithm.kl_mode == "reward" else 0.0
+    coef = metrics.get("critic/kl_coef", 0.0) if exp.algorithm.kl.mode == "reward" else 0.0
     model = AutoModelForCausalLM.from_pretrained(run.policy_dir(k, exp.model.path),
                                                  dtype=torch.float32).eval()
     eos = tokenizer.eos_token_id
