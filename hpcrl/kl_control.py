@@ -53,12 +53,13 @@ def current_coef(algo: AlgorithmConfig, previous_update: Path | None) -> float:
         return algo.kl_coef
     path = previous_update / FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: missing; the adaptive KL controller (algorithm.kl_target > 0) needs the "
-                                "coefficient the previous update recorded")
+        raise FileNotFoundError(f"{path}: missing; the adaptive KL controller (algorithm.kl_target > 0) "
+                                "needs the coefficient the previous update recorded")
     return float(json.loads(path.read_text())["next_kl_coef"])
 
 
 def step(algo: AlgorithmConfig, coef: float, kl: float, n_samples: int) -> KLControl:
     """This update's record: the next coefficient is `coef` again unless the controller is adaptive."""
-    nxt = adaptive_kl_coef(coef, kl, algo.kl_target, algo.kl_horizon, n_samples) if algo.kl_target > 0 else coef
+    nxt = (adaptive_kl_coef(coef, kl, algo.kl_target, algo.kl_horizon, n_samples) if algo.kl_target > 0
+           else coef)
     return KLControl(coef, kl, nxt)

@@ -39,8 +39,8 @@ def _check_tokenizer(exp: Experiment, model_cfg: dict | None):
     if model_cfg is not None:
         vocab = model_cfg.get("vocab_size") or model_cfg.get("text_config", {}).get("vocab_size")
         if vocab is not None and len(tok) > vocab:
-            problems.append(f"{key}: the tokenizer at {exp.tokenizer_path} has {len(tok)} tokens but the model at "
-                            f"{exp.model.path} has vocab_size {vocab}: they do not belong together")
+            problems.append(f"{key}: the tokenizer at {exp.tokenizer_path} has {len(tok)} tokens but the "
+                            f"model at {exp.model.path} has vocab_size {vocab}: they do not belong together")
     if tok.eos_token_id is None:
         problems.append(f"{key}: the tokenizer at {exp.tokenizer_path} has no eos token")
     return problems, tok
@@ -52,7 +52,8 @@ def _check_split(exp: Experiment, split: str, tok) -> tuple[list[str], list[str]
     problems, notes = [], []
     try:
         if tok is None:  # the tokenizer's problem is reported already; lengths cannot be measured
-            table = data.load_prompts(path, exp.data.prompt_key, exp.data.answer_key, getattr(exp.data, f"{split}_split"))
+            table = data.load_prompts(path, exp.data.prompt_key, exp.data.answer_key,
+                                      getattr(exp.data, f"{split}_split"))
             prompts = data.PromptSet(table, table.num_rows, 0, 0)
         else:
             prompts = data.prompt_set(exp, split, tok)
@@ -107,8 +108,8 @@ def _check_rewards(exp: Experiment) -> list[str]:
         except reward_backends.RewardBackendError as err:
             problems.append(f"reward.model.path: {err}")
         if model.device == "cuda" and exp.executor.kind == "slurm" and not exp.executor.score.gpus_per_node:
-            problems.append("reward.model.device: 'cuda' but executor.score.gpus_per_node = 0 gives the score job "
-                            "no GPU")
+            problems.append("reward.model.device: 'cuda' but executor.score.gpus_per_node = 0 gives the "
+                            "score job no GPU")
     return problems
 
 
@@ -129,8 +130,8 @@ def _check_slurm(exp: Experiment) -> list[str]:
 
     problems = []
     if exp.update.world_size % exp.executor.update.nodes:
-        problems.append(f"executor.update.nodes: update.world_size={exp.update.world_size} ranks do not spread "
-                        f"evenly over {exp.executor.update.nodes} nodes")
+        problems.append(f"executor.update.nodes: update.world_size={exp.update.world_size} ranks do not "
+                        f"spread evenly over {exp.executor.update.nodes} nodes")
     for role in ("controller", *ORDER):
         try:
             sbatch.directives(executors.slurm_parameters(exp, role, exp.run.name), Path("logs"))
@@ -159,5 +160,5 @@ def _dynamic_sampling_notes(exp: Experiment) -> list[str]:
         return []
     costs = (["the reward model is loaded in the generate job as well"] if r.model.path else []) + (
         ["the HTTP reward service receives every training sample twice"] if r.http.url else [])
-    return [f"algorithm.dynamic_sampling: the generate stage scores training samples to choose the batch and the "
-            f"score stage scores them again: {'; '.join(costs)}"]
+    return [f"algorithm.dynamic_sampling: the generate stage scores training samples to choose the batch "
+            f"and the score stage scores them again: {'; '.join(costs)}"]

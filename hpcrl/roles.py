@@ -133,7 +133,8 @@ class ControlPlane:
                            f"{self.stall_s:.0f} s: killed, or its node is gone)")
                 self.fail(failure.split(" failed: ")[-1], store)
             if failure is not None:
-                print(f"[resident] {self.layout.name(self.rank)} stops: {failure}", file=sys.stderr, flush=True)
+                print(f"[resident] {self.layout.name(self.rank)} stops: {failure}", file=sys.stderr,
+                      flush=True)
                 os._exit(1)
 
     # -- commands (generator -> trainers) and replies (trainer 0 -> generator) --------------
