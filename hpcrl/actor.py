@@ -61,15 +61,15 @@ class Actor:
         if exp.algorithm.critic is not None:  # ppo
             from hpcrl.critic import Critic
 
-            self.critic = Critic(exp, rank, world_size, critic_path or exp.algorithm.critic.path or exp.model.path,
-                                 critic_state, grad_accum, self.pad_id)
+            initial = critic_path or exp.algorithm.critic.path or exp.model.path
+            self.critic = Critic(exp, rank, world_size, initial, critic_state, grad_accum, self.pad_id)
 
     @classmethod
     def for_version(cls, exp: Experiment, run, version: int, rank: int, world_size: int) -> Actor:
         c = exp.algorithm.critic
         critic_path = run.critic_dir(version, c.path or exp.model.path) if c is not None else None
-        return cls(exp, rank, world_size, run.policy_dir(version, exp.model.path), run.trainer_state_dir(version),
-                   critic_path, run.critic_state_dir(version))
+        return cls(exp, rank, world_size, run.policy_dir(version, exp.model.path),
+                   run.trainer_state_dir(version), critic_path, run.critic_state_dir(version))
 
     def train_step(self, samples: Samples, mini: list[int], inputs: StepInputs) -> dict[str, float]:
         """One optimizer step of the policy on mini-batch `mini`; its statistics (global token means).
@@ -78,8 +78,8 @@ class Actor:
         back, gathered by row, as stats["old"]."""
         exp, engine = self.exp, self.engine
         n_tokens = sum(len(samples.response_ids[i]) for i in mini)
-        mbs = micro_batches(samples, trainer.rank_rows(mini, self.rank, self.world_size), exp.update.micro_batch_size,
-                            self.pad_id, exp.update.share_prompts)
+        mbs = micro_batches(samples, trainer.rank_rows(mini, self.rank, self.world_size),
+                            exp.update.micro_batch_size, self.pad_id, exp.update.share_prompts)
         scale = self.world_size * len(mbs)  # undo DeepSpeed's mean over ranks and micro-batches
         sums = dict.fromkeys(STAT_NAMES, 0.0)
         fresh_old = {}
@@ -93,13 +93,15 @@ class Actor:
                 fresh_old.update(zip(mb.index.tolist(), response_values(mb_old, mb), strict=True))
             else:
                 mb_old = padded(inputs.old, mb)
-            mb_adv = padded(inputs.adv, mb) if isinstance(inputs.adv, dict) else inputs.adv[mb.index].to(logp.device)
+            mb_adv = (padded(inputs.adv, mb) if isinstance(inputs.adv, dict)
+                      else inputs.adv[mb.index].to(logp.device))
             out = self.policy_loss(logp, mb_old, mb_adv, mb.mask, kl_coef=inputs.kl_coef, n_tokens=n_tokens,
                                    ref_logp=padded(inputs.ref, mb) if inputs.ref is not None else None,
                                    n_seqs=len(mini), token_entropy=token_entropy)
             if not torch.isfinite(out.loss):
-                raise FloatingPointError(f"non-finite loss ({out.loss.item()}) on rank {self.rank}; the update is not "
-                                         "committed and the run stays at the last good policy version")
+                raise FloatingPointError(f"non-finite loss ({out.loss.item()}) on rank {self.rank}; the "
+                                         "update is not committed and the run stays at the last good "
+                                         "policy version")
             engine.backward(out.loss * scale)
             _accumulate(sums, out, logits, token_entropy, mb.mask, n_tokens)
             grad_norm = trainer.engine_step(engine)
@@ -110,7 +112,8 @@ class Actor:
         return stats
 
     def save(self, ctx: StageContext) -> None:
-        """The new policy version (HF format) and the DeepSpeed state (and the critic's), into the stage output."""
+        """The new policy version (HF format) and the DeepSpeed state (and the critic's), into the stage
+        output."""
         with ctx.timed("io"):
             trainer.save_policy(self.engine, self.exp, ctx.writer.dir / "policy", self.rank)
             self.engine.save_checkpoint(str(ctx.writer.dir / "trainer"), tag=trainer.DS_TAG)
@@ -157,7 +160,8 @@ def _accumulate(sums: dict[str, float], out: losses.PolicyLoss, logits: torch.Te
     """Add one micro-batch's share of the step's statistics (token means over the mini-batch)."""
     tokens = float(mask.sum())
     with torch.no_grad():
-        ent = losses.token_sum(token_entropy if token_entropy is not None else losses.entropy(logits), mask).item()
+        ent = losses.token_sum(token_entropy if token_entropy is not None else losses.entropy(logits),
+                               mask).item()
     sums["loss"] += out.loss.item()
     sums["pg_loss"] += out.pg_loss.item()
     sums["pg_clipfrac"] += out.clipfrac.item() * tokens / n_tokens

@@ -5,9 +5,11 @@ decorated function here plus its test. No I/O here.
 
 | name | advantage of sample i in group g | from |
 |---|---|---|
-| grpo | (r_i - mean_g) / (std_g + eps); without the division (norm_by_std false) it is Dr.GRPO | Shao et al. 2024; Liu et al. 2025 |
+| grpo | (r_i - mean_g) / (std_g + eps) | Shao et al. 2024; Liu et al. 2025 |
 | rloo | r_i - mean of the other samples of g | Ahmadian et al. 2024 |
 | reinforce_pp | r_i - mean_g, then whitened over the whole batch | Hu 2025 (REINFORCE++-baseline) |
+
+grpo without the division (norm_by_std false) is Dr.GRPO (Liu et al. 2025).
 
 PPO with a critic (`algorithm.name = "ppo"`, not in the registry: it needs values) uses the
 token-level functions at the end: `token_rewards` (outcome on the last token, KL penalty on every
@@ -76,7 +78,8 @@ def reinforce_pp(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e
     return ((centred - centred.mean()) / (std + eps)).to(torch.float32)
 
 
-def compute(name: str, rewards: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True) -> torch.Tensor:
+def compute(name: str, rewards: torch.Tensor, group_ids: torch.Tensor,
+            norm_by_std: bool = True) -> torch.Tensor:
     if name not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ESTIMATORS)}")
     return ESTIMATORS[name](rewards, group_ids, norm_by_std=norm_by_std)

@@ -147,10 +147,11 @@ def response_outputs(model, mb: MicroBatch, field: str = "logits") -> torch.Tens
                   use_cache=True, **last_only)
     cache = first.past_key_values
     if not hasattr(cache, "batch_select_indices"):
-        raise TypeError(f"update.share_prompts: this model's cache ({type(cache).__name__}) cannot be indexed by "
-                        "batch row; set update.share_prompts = false")
+        raise TypeError(f"update.share_prompts: this model's cache ({type(cache).__name__}) cannot be "
+                        "indexed by batch row; set update.share_prompts = false")
     cache.batch_select_indices(p.of_row)  # each row its prompt's keys and values (a differentiable gather)
-    rest = model(input_ids=mb.input_ids, attention_mask=torch.cat([p.attention_mask[p.of_row], mb.attention_mask], 1),
+    rest = model(input_ids=mb.input_ids,
+                 attention_mask=torch.cat([p.attention_mask[p.of_row], mb.attention_mask], 1),
                  position_ids=mb.position_ids, past_key_values=cache, use_cache=True)
     return torch.cat([getattr(first, field)[p.of_row, -1:], getattr(rest, field)[:, :-1]], 1)
 

@@ -73,12 +73,15 @@ def _prepare(experiment: Path, sets: tuple[str, ...] = ()):
 
 @main.command()
 @click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--foreground", is_flag=True, help="Slurm: drive the run from this terminal instead of a controller job.")
-@click.option("--dry-run", is_flag=True, help="Check everything and write the resolved config and every sbatch script under "
-                                              "<runs_root>/dry-runs/<name>/; nothing is created or changed in the run.")
+@click.option("--foreground", is_flag=True,
+              help="Slurm: drive the run from this terminal instead of a controller job.")
+@click.option("--dry-run", is_flag=True,
+              help="Check everything and write the resolved config and every sbatch script under "
+                   "<runs_root>/dry-runs/<name>/; nothing is created or changed in the run.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
-              help="Override a config key, e.g. update.lr=1e-5 or run.name=lr-sweep-2 (a TOML value; one that is not "
-                   "TOML is taken as a string); repeatable. The run's frozen config records the result.")
+              help="Override a config key, e.g. update.lr=1e-5 or run.name=lr-sweep-2 (a TOML value; "
+                   "one that is not TOML is taken as a string); repeatable. The run's frozen config "
+                   "records the result.")
 def submit(experiment: Path, foreground: bool, dry_run: bool, sets: tuple[str, ...]) -> None:
     """Validate EXPERIMENT (a TOML file) and run it; resubmitting continues the same run.
 
@@ -115,14 +118,17 @@ def _dry_run(experiment: Path, sets: tuple[str, ...]) -> None:
         paths = sbatch.write_all(run, exp, out)
     except ConfigError as err:
         _fail(str(err))
-    state = f"the existing run {run.root} is left as it is" if frozen is not None else f"no run created at {run.root}"
-    click.echo(f"dry run: config, model, tokenizer, data, rewards and batch shape checked; wrote the resolved config "
-               f"and {len(paths) - 1} sbatch scripts under {out} ({state}; nothing submitted)")
+    state = (f"the existing run {run.root} is left as it is" if frozen is not None
+             else f"no run created at {run.root}")
+    click.echo(f"dry run: config, model, tokenizer, data, rewards and batch shape checked; wrote the "
+               f"resolved config and {len(paths) - 1} sbatch scripts under {out} ({state}; "
+               "nothing submitted)")
 
 
 @main.command("sbatch")
 @click.argument("experiment", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--stage", type=click.Choice([*ORDER, "resident"]), help="A stage script (or the resident job's) instead of the controller's.")
+@click.option("--stage", type=click.Choice([*ORDER, "resident"]),
+              help="A stage script (or the resident job's) instead of the controller's.")
 @click.option("--iteration", type=int, default=0, show_default=True)
 def sbatch_cmd(experiment: Path, stage: str | None, iteration: int) -> None:
     """Print the exact sbatch script of the controller or of one stage, to submit by hand: creates
@@ -155,7 +161,8 @@ def cancel(run_dir: Path) -> None:
         click.echo("no jobs recorded for this run")
         return
     subprocess.run(["scancel", *ids], check=False)
-    click.echo(f"cancelled jobs {', '.join(ids)}; continue later with: hpcrl submit or hpcrl resume {run.root}")
+    click.echo(f"cancelled jobs {', '.join(ids)}; continue later with: hpcrl submit or hpcrl resume "
+               f"{run.root}")
 
 
 @main.command()
@@ -222,8 +229,8 @@ def status(run_dir: Path, verify: bool) -> None:
     stop = run.read_run_info().get("stopped")
     if stop and nxt is not None:
         where = "the resident job" if stop["stage"] == "resident" else f"stage {stop['stage']}"
-        click.echo(f"STOPPED at {stop['at']}: {where} of iteration {stop['iteration']} failed: {stop['reason']} "
-                   f"(log: {stop['log']}); fix the cause, then `hpcrl resume {run.root}`")
+        click.echo(f"STOPPED at {stop['at']}: {where} of iteration {stop['iteration']} failed: "
+                   f"{stop['reason']} (log: {stop['log']}); fix the cause, then `hpcrl resume {run.root}`")
     if exp.executor.kind == "slurm" and run.jobs():
         from hpcrl.slurm import job_table
 
@@ -259,8 +266,9 @@ def ui(runs_root: Path, port: int) -> None:
     if not db.is_file():
         _fail(f"{db}: no MLflow store here; pass the runs_root of your experiment")
     click.echo(f"MLflow UI on http://127.0.0.1:{port} (Ctrl-C to stop)")
-    os.execvp(sys.executable, [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", default_uri(runs_root),
-                               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"])
+    os.execvp(sys.executable, [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri",
+                               default_uri(runs_root), "--host", "127.0.0.1", "--port", str(port),
+                               "--workers", "1"])
 
 
 @main.command("config")
@@ -278,8 +286,10 @@ def config_reference(markdown: bool) -> None:
 @main.command("inspect")
 @click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--iteration", "-i", type=int, default=None,
-              help="Detail of one iteration: rewards by data source, lengths, finish reasons, best/worst samples.")
-@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+              help="Detail of one iteration: rewards by data source, lengths, finish reasons, "
+                   "best/worst samples.")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table",
+              show_default=True)
 @click.option("--samples", type=click.IntRange(0), default=3, show_default=True,
               help="Best and worst samples shown per split with --iteration.")
 def inspect_command(run_dir: Path, iteration: int | None, fmt: str, samples: int) -> None:
@@ -338,8 +348,8 @@ def export(run_dir: Path, version: int, dest: Path) -> None:
     except (commit.CorruptOutputError, OSError) as err:
         _fail(str(err), 1)
     size = sum(f.stat().st_size for f in files)
-    click.echo(f"exported policy v{version} of {run.root} to {dest} ({len(files)} files, {size / 2**20:.1f} MiB, "
-               "checksums verified)")
+    click.echo(f"exported policy v{version} of {run.root} to {dest} ({len(files)} files, "
+               f"{size / 2**20:.1f} MiB, checksums verified)")
 
 
 @main.command()
@@ -348,7 +358,8 @@ def export(run_dir: Path, version: int, dest: Path) -> None:
 @click.option("--stage", type=click.Choice(ORDER), required=True)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Override a config key for the replay (TOML value, e.g. algorithm.clip_ratio=0.1).")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Replay directory (default: under <runs_root>/replays/).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="Replay directory (default: under <runs_root>/replays/).")
 def replay(run_dir: Path, iteration: int, stage: str, sets: tuple[str, ...], out: Path | None) -> None:
     """Run one committed stage again from its committed inputs, elsewhere, and compare.
 

@@ -68,13 +68,14 @@ def summary(exp: Experiment, run: RunDir) -> str:
     parts = []
     if reward:
         last = reward[-3:]
-        parts.append(f"reward {reward[0]:.3f} (first iteration) -> {sum(last) / len(last):.3f} (mean of last {len(last)})")
+        parts.append(f"reward {reward[0]:.3f} (first iteration) -> {sum(last) / len(last):.3f} "
+                     f"(mean of last {len(last)})")
     if val:
         parts.append(f"val/score {val[0]:.3f} -> {val[-1]:.3f}")
     if ev:
         last = ev[-3:]
-        parts.append(f"critic/explained_variance {ev[0]:.3f} -> max {max(ev):.3f} -> {sum(last) / len(last):.3f} "
-                     f"(mean of last {len(last)})")
+        parts.append(f"critic/explained_variance {ev[0]:.3f} -> max {max(ev):.3f} -> "
+                     f"{sum(last) / len(last):.3f} (mean of last {len(last)})")
     return "; ".join(parts)
 
 
@@ -108,7 +109,8 @@ class Controller:
             self.run.record_stop(None)  # a new attempt at the run
             for moved in self.run.rollback():
                 self.echo(f"moved aside {moved.name}: it depends on a policy version that was not saved "
-                          "(executor.resident.checkpoint_every); the run continues from the last saved version")
+                          "(executor.resident.checkpoint_every); the run continues from the last saved "
+                          "version")
             try:
                 if self.exp.executor.mode == "resident":
                     self._drive_resident(executor, tracker)
@@ -140,7 +142,8 @@ class Controller:
                         self.run.record_job(queue[-1].job_id, stage, k)
                 head = queue.pop(0)
                 _wait(head, self.show_progress)
-                if head.error() is None and commit.is_committed(self.run.stage_dir(head.iteration, head.stage)):
+                if (head.error() is None
+                        and commit.is_committed(self.run.stage_dir(head.iteration, head.stage))):
                     self._after_commit(tracker, head.iteration, head.stage)
                     continue
                 for job in queue:  # they depend on the failed one
@@ -160,8 +163,8 @@ class Controller:
         while plan.pending_stages(self.run, self.exp):
             job = executor.submit("resident", None)
             self.run.record_job(job.job_id, "resident", None)
-            self.echo(f"resident job {job.job_id}: {self.exp.update.world_size} trainer rank(s) + 1 generator; "
-                      f"logs in {job.log_paths()[0].parent}")
+            self.echo(f"resident job {job.job_id}: {self.exp.update.world_size} trainer rank(s) + 1 "
+                      f"generator; logs in {job.log_paths()[0].parent}")
             try:
                 while True:
                     done = job.done()
@@ -197,10 +200,11 @@ class Controller:
                f"{failures[key]}/{attempts}{job.where()}); log: {err}\n--- last lines of stderr ---\n{tail}")
         deterministic = reason is not None and reason[0] in DETERMINISTIC
         if failures[key] >= attempts or deterministic:
-            self.run.record_stop({"iteration": job.iteration, "stage": job.stage, "job_id": job.job_id, "log": str(err),
+            self.run.record_stop({"iteration": job.iteration, "stage": job.stage, "job_id": job.job_id,
+                                  "log": str(err),
                                   "reason": f"{reason[0]}: {reason[1]}" if reason else "see the log"})
-            raise StageFailedError(msg + (f"\nnot retried: {reason[0]} is not cured by a retry" if deterministic
-                                          and failures[key] < attempts else ""))
+            raise StageFailedError(msg + (f"\nnot retried: {reason[0]} is not cured by a retry"
+                                          if deterministic and failures[key] < attempts else ""))
         self.echo(msg + "\nretrying")
 
     def _after_commit(self, tracker: Tracker, k: int, stage: str) -> None:
@@ -249,7 +253,8 @@ def submit_controller(run: RunDir, exp: Experiment) -> str:
 def sample_rows(run: RunDir, k: int, limit: int = 16) -> list[dict]:
     """A few scored generations of an iteration, for a look in the MLflow UI."""
     rollouts = commit.read_table(run.stage_dir(k, GENERATE), "rollouts",
-                                 columns=["split", "prompt_index", "sample_index", "prompt_text", "response_text"])
+                                 columns=["split", "prompt_index", "sample_index", "prompt_text",
+                                          "response_text"])
     scores = commit.read_table(run.stage_dir(k, SCORE), "scores", columns=["reward"])
     rows = rollouts.append_column("reward", scores["reward"]).slice(0, limit).to_pylist()
     return rows

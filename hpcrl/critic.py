@@ -42,10 +42,12 @@ class ValueModel(torch.nn.Module):
         hidden = backbone.config.get_text_config().hidden_size
         self.value_head = torch.nn.Linear(hidden, 1, dtype=backbone.dtype)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **backbone_kwargs) -> ValueOutput:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                **backbone_kwargs) -> ValueOutput:
         """Values [batch, tokens] (float32) at every position; the backbone's cache when asked for
         (`use_cache`, `past_key_values`, `position_ids` go to the backbone)."""
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, **{"use_cache": False, **backbone_kwargs})
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                            **{"use_cache": False, **backbone_kwargs})
         return ValueOutput(self.value_head(out.last_hidden_state).squeeze(-1).float(), out.past_key_values)
 
 
@@ -70,8 +72,8 @@ class Critic:
 
         self.exp, self.rank, self.world_size, self.pad_id = exp, rank, world_size, pad_id
         model = load_value_model(weights, getattr(torch, exp.model.dtype))
-        self.engine = trainer.make_engine(model, exp.algorithm.critic.lr, exp, world_size, grad_accum, state_dir,
-                                          "critic")
+        self.engine = trainer.make_engine(model, exp.algorithm.critic.lr, exp, world_size, grad_accum,
+                                          state_dir, "critic")
 
     @torch.no_grad()
     def values_of(self, samples: batches.Samples, rows: list[int]) -> dict[int, list[float]]:
@@ -86,7 +88,8 @@ class Critic:
                 out[i] = v
         return trainer.all_gather_rows(out)
 
-    def train_step(self, samples: batches.Samples, mini: list[int], old_values: dict, returns: dict) -> dict[str, float]:
+    def train_step(self, samples: batches.Samples, mini: list[int], old_values: dict,
+                   returns: dict) -> dict[str, float]:
         """One optimizer step of the critic on one mini-batch; its statistics (global token means)."""
         a, u = self.exp.algorithm, self.exp.update
         self.engine.train()
@@ -98,11 +101,12 @@ class Critic:
         for mb in mbs:
             mb = mb.to(self.engine.device)
             values = batches.response_outputs(self.engine, mb, "values")
-            out = losses.value_loss(values, batches.padded(old_values, mb), batches.padded(returns, mb), mb.mask,
-                                    a.critic.value_clip, n_tokens, a.loss_agg, len(mini))
+            out = losses.value_loss(values, batches.padded(old_values, mb), batches.padded(returns, mb),
+                                    mb.mask, a.critic.value_clip, n_tokens, a.loss_agg, len(mini))
             if not torch.isfinite(out.loss):
-                raise FloatingPointError(f"non-finite critic loss ({out.loss.item()}) on rank {self.rank}; the "
-                                         "update is not committed and the run stays at the last good version")
+                raise FloatingPointError(f"non-finite critic loss ({out.loss.item()}) on rank {self.rank}; "
+                                         "the update is not committed and the run stays at the last good "
+                                         "version")
             self.engine.backward(out.loss * scale)
             sums["vf_loss"] += out.loss.item()
             sums["vf_clipfrac"] += out.clipfrac.item() * float(mb.mask.sum()) / n_tokens
@@ -112,7 +116,8 @@ class Critic:
         return stats
 
     def save(self, out: Path, state_dir: Path) -> None:
-        """HF-style weights into `out` (backbone + value_head.safetensors); DeepSpeed state into `state_dir`."""
+        """HF-style weights into `out` (backbone + value_head.safetensors); DeepSpeed state into
+        `state_dir`."""
         from safetensors.torch import save_file
 
         if self.exp.update.zero_stage == 3:
@@ -139,8 +144,8 @@ class Targets:
     rewards: torch.Tensor  # the token-level rewards
 
 
-def gae_targets(outcome: torch.Tensor, mask: torch.Tensor, values: torch.Tensor, kl_tokens: torch.Tensor | None,
-                kl_coef: float, algo: AlgorithmConfig) -> Targets:
+def gae_targets(outcome: torch.Tensor, mask: torch.Tensor, values: torch.Tensor,
+                kl_tokens: torch.Tensor | None, kl_coef: float, algo: AlgorithmConfig) -> Targets:
     """Token rewards (outcome on the last token, -kl_coef * KL on each), GAE, optional whitening."""
     rewards = advantages.token_rewards(outcome, mask, kl_tokens, kl_coef)
     adv, ret = advantages.gae(rewards, values.to(torch.float64), mask, algo.critic.gamma, algo.critic.lam)

@@ -37,8 +37,8 @@ def _hf_split_dir(path: Path, split: str) -> Path:
     if (path / "dataset_dict.json").is_file():
         splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
         if split not in splits:
-            raise DatasetError(f"{path}: a datasets DatasetDict with the splits {splits}, none named {split!r}; "
-                               "choose one with data.train_split / data.test_split")
+            raise DatasetError(f"{path}: a datasets DatasetDict with the splits {splits}, none named "
+                               f"{split!r}; choose one with data.train_split / data.test_split")
         path = path / split
     if not (path / "state.json").is_file():
         raise DatasetError(f"{path}: a directory, but not one written by datasets' save_to_disk "
@@ -93,9 +93,10 @@ def _prompt_strings(col: pa.Array, path: Path, key: str) -> list[str]:
     if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
         value = col.type.value_type
         if pa.types.is_struct(value) and {"role", "content"} <= {f.name for f in value}:
-            return [json.dumps([{"role": m["role"], "content": m["content"]} for m in msgs]) for msgs in col.to_pylist()]
-    raise DatasetError(f"{path}: column {key!r} has type {col.type}; expected a string or a chat message list "
-                       "(list of {role, content})")
+            return [json.dumps([{"role": m["role"], "content": m["content"]} for m in msgs])
+                    for msgs in col.to_pylist()]
+    raise DatasetError(f"{path}: column {key!r} has type {col.type}; expected a string or a chat message "
+                       "list (list of {role, content})")
 
 
 def load_prompts(path: str | Path, prompt_key: str = "prompt",
@@ -114,8 +115,8 @@ def load_prompts(path: str | Path, prompt_key: str = "prompt",
     if answer is None:
         answer = _column(raw, "answer")
     if answer is None:
-        raise DatasetError(f"{path}: no answer column {answer_key!r} nor 'answer' (columns: {raw.column_names}); "
-                           "set data.answer_key")
+        raise DatasetError(f"{path}: no answer column {answer_key!r} nor 'answer' "
+                           f"(columns: {raw.column_names}); set data.answer_key")
     source = _column(raw, "data_source")
     n = raw.num_rows
     if n == 0:
@@ -223,7 +224,8 @@ def prompt_set(exp: Experiment, split: str, tokenizer=None) -> PromptSet:
     return PromptSet(table, total, too_long, limit)
 
 
-def draw_prompts(n_rows: int, per_iteration: int, iteration: int, seed: int, sampling_round: int = 0) -> np.ndarray:
+def draw_prompts(n_rows: int, per_iteration: int, iteration: int, seed: int,
+                 sampling_round: int = 0) -> np.ndarray:
     """Row indices for an iteration: consecutive slices of seeded per-epoch permutations.
 
     A slice that crosses an epoch boundary skips rows it already holds, so an iteration never

@@ -108,8 +108,8 @@ class StageJob:
         tasks = getattr(self.job, "num_tasks", 1)
         if tasks <= 1:
             return _tail(self.log_paths()[1], lines)
-        return "\n".join(f"[task {i}: {self.job.task(i).paths.stderr}]\n{_tail(self.job.task(i).paths.stderr, lines)}"
-                         for i in range(tasks))
+        return "\n".join(f"[task {i}: {self.job.task(i).paths.stderr}]\n"
+                         f"{_tail(self.job.task(i).paths.stderr, lines)}" for i in range(tasks))
 
 
 def _tail(path, lines: int) -> str:
@@ -130,7 +130,8 @@ class LocalExecutor:
         self._ex = submitit.LocalExecutor(folder=run.logs / "%j")
 
     def submit(self, stage: str, iteration: int | None, after: StageJob | None = None) -> StageJob:
-        timeout = self.exp.executor.resident.time_min if stage == "resident" else self.exp.executor.timeout_min
+        timeout = (self.exp.executor.resident.time_min if stage == "resident"
+                   else self.exp.executor.timeout_min)
         self._ex.update_parameters(timeout_min=timeout, tasks_per_node=tasks_for(self.exp, stage))
         # The ranks of a local job meet on a port free now (submitit would derive one from the pid).
         saved = os.environ.get("MASTER_PORT")

@@ -28,12 +28,14 @@ class ExportError(RuntimeError):
     """An export that is refused: the version does not exist, or the destination is not empty."""
 
 
-def _policy_files(run: RunDir, exp: Experiment, version: int) -> tuple[dict[str, tuple[Path, dict | None]], str]:
+def _policy_files(run: RunDir, exp: Experiment,
+                  version: int) -> tuple[dict[str, tuple[Path, dict | None]], str]:
     """{relative path: (source file, manifest entry or None)} of a version, and where they come from."""
     if version == 0:
         base = Path(exp.model.path)
         if not (base / "config.json").is_file():
-            raise ExportError(f"{base}: model.path of the run's config is not an HF model folder (no config.json)")
+            raise ExportError(f"{base}: model.path of the run's config is not an HF model folder "
+                              "(no config.json)")
         files = {str(p.relative_to(base)): (p, None) for p in sorted(base.rglob("*"))
                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(base).parts)}
         return files, f"model.path {base}"
@@ -41,7 +43,8 @@ def _policy_files(run: RunDir, exp: Experiment, version: int) -> tuple[dict[str,
     try:
         manifest = commit.read_manifest(stage)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise commit.CorruptOutputError(f"{stage / commit.MANIFEST}: not a readable manifest ({err})") from None
+        raise commit.CorruptOutputError(f"{stage / commit.MANIFEST}: not a readable manifest "
+                                        f"({err})") from None
     if manifest is None:
         raise ExportError(f"policy version {version} does not exist: the update of iteration {version - 1} "
                           f"({stage}) is not committed; see `hpcrl status {run.root}`")
@@ -57,7 +60,8 @@ def _check_destination(dest: Path) -> None:
     if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
         raise ExportError(f"{dest}: exists and is not a directory; choose a new directory")
     if dest.is_dir() and any(dest.iterdir()):
-        raise ExportError(f"{dest}: exists and is not empty; refusing to overwrite it (choose a new directory)")
+        raise ExportError(f"{dest}: exists and is not empty; refusing to overwrite it "
+                          "(choose a new directory)")
 
 
 def export_policy(run: RunDir, exp: Experiment, version: int, dest: str | os.PathLike) -> list[Path]:

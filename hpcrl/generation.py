@@ -98,9 +98,9 @@ def sample(llm, requests: list[Request], n: int, temperature: float, top_p: floa
             ids = list(comp.token_ids)
             lps = [step[tok].logprob for step, tok in zip(comp.logprobs, ids, strict=True)]
             row = dict(iteration=iteration, split=req.split, prompt_index=req.prompt_index, sample_index=j,
-                       data_source=req.data_source, prompt_text=req.prompt_text, ground_truth=req.ground_truth,
-                       prompt_ids=list(out.prompt_token_ids), response_ids=ids, logprobs=lps,
-                       response_text=comp.text, finish_reason=comp.finish_reason or "",
+                       data_source=req.data_source, prompt_text=req.prompt_text,
+                       ground_truth=req.ground_truth, prompt_ids=list(out.prompt_token_ids), response_ids=ids,
+                       logprobs=lps, response_text=comp.text, finish_reason=comp.finish_reason or "",
                        policy_version=policy_version, round=sampling_round, kept=req.split == "train")
             for k, v in row.items():
                 cols[k].append(v)
@@ -127,14 +127,15 @@ def val_requests(exp: Experiment, iteration: int, tokenizer) -> tuple[Request, .
     return tuple(_request("val", i, prompts, tokenizer) for i in range(n))
 
 
-def requests_for(exp: Experiment, iteration: int, tokenizer) -> tuple[tuple[Request, ...], tuple[Request, ...]]:
+def requests_for(exp: Experiment, iteration: int,
+                 tokenizer) -> tuple[tuple[Request, ...], tuple[Request, ...]]:
     """(train requests of round 0, validation requests) of an iteration."""
     return train_requests(exp, iteration, tokenizer), val_requests(exp, iteration, tokenizer)
 
 
 def _request(split: str, i: int, prompts: pa.Table, tokenizer) -> Request:
-    return Request(split, i, prompts["data_source"][i].as_py(), data.render(tokenizer, prompts["prompt"][i].as_py()),
-                   prompts["ground_truth"][i].as_py())
+    return Request(split, i, prompts["data_source"][i].as_py(),
+                   data.render(tokenizer, prompts["prompt"][i].as_py()), prompts["ground_truth"][i].as_py())
 
 
 def generate(ctx, llm, version: int, pool=None, await_policy: Callable[[], None] | None = None) -> None:
@@ -162,8 +163,8 @@ def generate(ctx, llm, version: int, pool=None, await_policy: Callable[[], None]
 
     def sample_train(requests, r: int) -> pa.Table:
         with ctx.timed("compute"):
-            return sample(llm, list(requests), a.group_size, g.temperature, g.top_p, g.max_tokens, ctx.seed, k,
-                          version, r)
+            return sample(llm, list(requests), a.group_size, g.temperature, g.top_p, g.max_tokens,
+                          ctx.seed, k, version, r)
 
     tables = []
     if prompts is not None and a.dynamic_sampling:
@@ -214,7 +215,8 @@ class GenerateStage(Stage):
 
     def setup(self, version: int, seed: int) -> None:
         extension = "hpcrl.vllm_ext.WeightReceiver" if self.resident else None
-        self.llm = make_engine(self.exp, self.rundir.policy_dir(version, self.exp.model.path), seed, extension)
+        self.llm = make_engine(self.exp, self.rundir.policy_dir(version, self.exp.model.path), seed,
+                               extension)
         self.version = version
 
     def run(self, ctx: StageContext) -> None:

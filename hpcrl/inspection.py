@@ -37,7 +37,8 @@ def manifest(stage_dir: Path) -> dict | None:
     try:
         return commit.read_manifest(stage_dir)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise commit.CorruptOutputError(f"{stage_dir / commit.MANIFEST}: not a readable manifest ({err})") from None
+        raise commit.CorruptOutputError(f"{stage_dir / commit.MANIFEST}: not a readable manifest "
+                                        f"({err})") from None
 
 
 def metric_columns(exp: Experiment) -> list[tuple[str, str, str]]:
@@ -46,7 +47,8 @@ def metric_columns(exp: Experiment) -> list[tuple[str, str, str]]:
     a = exp.algorithm
     metrics = [m for m in METRICS if m[0] != "actor/kl_loss" or a.kl.coef > 0]
     if a.kl.coef > 0 and a.kl.mode == "reward":
-        metrics = [("actor/reward_kl_penalty", "kl_ref", ".2e") if m[0] == "actor/kl_loss" else m for m in metrics]
+        metrics = [("actor/reward_kl_penalty", "kl_ref", ".2e") if m[0] == "actor/kl_loss" else m
+                   for m in metrics]
     if a.name == "ppo":
         metrics.append(("critic/explained_variance", "ev", ".3f"))
     return [("iteration", "iter", "d"), *metrics, *TIMINGS]
@@ -128,7 +130,8 @@ def iteration_detail(run: RunDir, k: int, samples: int = 3) -> dict[str, pl.Data
         *SAMPLE_KEYS, "data_source", "finish_reason", response_length=pl.col("response_ids").list.len())
     s = pl.scan_parquet(scores).select(*(pl.col(c).alias(f"_{c}") for c in SAMPLE_KEYS), "reward")
     df = _collect(pl.concat([r, s], how="horizontal").with_row_index("row"), rollouts, scores)
-    if not df.select(pl.all_horizontal(pl.col(c).eq_missing(pl.col(f"_{c}")) for c in SAMPLE_KEYS).all()).item():
+    if not df.select(pl.all_horizontal(pl.col(c).eq_missing(pl.col(f"_{c}"))
+                                       for c in SAMPLE_KEYS).all()).item():
         raise commit.CorruptOutputError(f"{scores}: rows do not line up with {rollouts} (sample keys differ)")
     df = df.drop([f"_{c}" for c in SAMPLE_KEYS]).with_columns(pl.col("data_source").fill_null("(none)"),
                                                               pl.col("finish_reason").fill_null("(none)"))
@@ -140,7 +143,8 @@ def iteration_detail(run: RunDir, k: int, samples: int = 3) -> dict[str, pl.Data
     reward_stats = dict(count=pl.len(), mean=pl.col("reward").mean(), std=pl.col("reward").std(),
                         min=pl.col("reward").min(), max=pl.col("reward").max())
     rewards = pl.concat([by("split", "data_source", **reward_stats),
-                         by("split", **reward_stats).with_columns(data_source=pl.lit("(all)"))], how="diagonal")
+                         by("split", **reward_stats).with_columns(data_source=pl.lit("(all)"))],
+                        how="diagonal")
     rewards = rewards.sort(split_order, pl.col("data_source") == "(all)", "data_source")
     length = pl.col("response_length")
     lengths = by("split", count=pl.len(), mean=length.mean(),
@@ -164,10 +168,12 @@ def _text_table(df: pl.DataFrame, formats: dict[str, str], headers: dict[str, st
     headers = headers or {}
     cols = df.columns
     cells = [[headers.get(c, c) for c in cols]]
-    cells += [[_cell(v, formats.get(c, "")) for c, v in zip(cols, row, strict=True)] for row in df.iter_rows()]
+    cells += [[_cell(v, formats.get(c, "")) for c, v in zip(cols, row, strict=True)]
+              for row in df.iter_rows()]
     widths = [max(len(r[i]) for r in cells) for i in range(len(cols))]
     numeric = [df.schema[c].is_numeric() for c in cols]
-    return "\n".join("  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(r, widths, numeric, strict=True))
+    return "\n".join("  ".join(v.rjust(w) if num else v.ljust(w)
+                               for v, w, num in zip(r, widths, numeric, strict=True))
                      .rstrip() for r in cells)
 
 

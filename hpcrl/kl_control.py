@@ -53,8 +53,8 @@ def current_coef(kl: KLConfig, previous_update: Path | None) -> float:
         return kl.coef
     path = previous_update / FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: missing; the adaptive KL controller (algorithm.kl.target > 0) needs the "
-                                "coefficient the previous update recorded")
+        raise FileNotFoundError(f"{path}: missing; the adaptive KL controller (algorithm.kl.target > 0) "
+                                "needs the coefficient the previous update recorded")
     return float(json.loads(path.read_text())["next_kl_coef"])
 
 

@@ -69,8 +69,8 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor, n_tokens: float | None 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", n_tokens: float | None = None,
-              n_seqs: float | None = None) -> torch.Tensor:
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
+              n_tokens: float | None = None, n_seqs: float | None = None) -> torch.Tensor:
     """Aggregate per-token values; `n_tokens`/`n_seqs` are the mini-batch totals (default: this batch's)."""
     if mode == "token-mean":
         return token_mean(values, mask, n_tokens)
@@ -115,7 +115,8 @@ def ppo_clip(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + high)
     pg_tokens = torch.maximum(unclipped, clipped)
     if dual_clip_c is not None:
-        pg_tokens = torch.where(advantages < 0, torch.minimum(pg_tokens, -advantages * dual_clip_c), pg_tokens)
+        pg_tokens = torch.where(advantages < 0, torch.minimum(pg_tokens, -advantages * dual_clip_c),
+                                pg_tokens)
     pg_loss = aggregate(pg_tokens, mask, agg, n_tokens, n_seqs)
     loss = pg_loss
     kl_ref = torch.zeros((), dtype=logp.dtype)
@@ -190,8 +191,8 @@ def ppo_clip_loss(a) -> PolicyLossFn:
     """`ppo_clip` with the algorithm config's clip range, dual clip, KL estimator, aggregation and
     entropy weight (`a` is hpcrl.config's AlgorithmConfig)."""
     return functools.partial(ppo_clip, clip_ratio=a.clip_ratio, kl_estimator=a.kl.estimator,
-                             clip_high=a.clip_ratio_high or None, dual_clip_c=a.dual_clip_c or None, agg=a.loss_agg,
-                             entropy_coef=a.entropy_coef)
+                             clip_high=a.clip_ratio_high or None, dual_clip_c=a.dual_clip_c or None,
+                             agg=a.loss_agg, entropy_coef=a.entropy_coef)
 
 
 def policy_loss(a) -> PolicyLossFn:

@@ -67,7 +67,8 @@ def reward_figure(df: pl.DataFrame, run_name: str) -> Figure:
     fig, (ax,) = _figure()
     drawn = _line(ax, df, "critic/score/mean", "train reward (mean over samples)", color="#4C72B0")
     drawn |= _line(ax, df, "val/score", "validation score (greedy, mean)", color="#C44E52", linestyle="--")
-    _finish(fig, ax, f"{run_name}: reward per iteration", "reward (mean per sample)", drawn, "no scored iteration yet")
+    _finish(fig, ax, f"{run_name}: reward per iteration", "reward (mean per sample)", drawn,
+            "no scored iteration yet")
     return fig
 
 
@@ -77,7 +78,8 @@ def kl_figure(df: pl.DataFrame, run_name: str) -> Figure:
     if "actor/kl_loss" in df.columns:
         drawn |= _line(top, df, "actor/kl_loss", "KL to the reference policy, actor/kl_loss", color="#937860")
     top.axhline(0, color="black", linewidth=0.6)
-    _finish(fig, top, f"{run_name}: policy KL per update", "KL (nats per token)", drawn, "no committed update yet")
+    _finish(fig, top, f"{run_name}: policy KL per update", "KL (nats per token)", drawn,
+            "no committed update yet")
     drawn = _line(bottom, df, "actor/pg_clipfrac", "clipped fraction, actor/pg_clipfrac", color="#DA8BC3")
     _finish(fig, bottom, "PPO clip fraction", "fraction of tokens clipped", drawn, "no committed update yet")
     return fig

@@ -38,7 +38,8 @@ class Guard:
         signal.signal(self.signum, self._previous)
 
     def _record(self, signum, frame) -> None:
-        print(f"[update] caught signal {signal.Signals(signum).name}: saving progress at the next step", flush=True)
+        print(f"[update] caught signal {signal.Signals(signum).name}: saving progress at the next step",
+              flush=True)
         self.requested = True
 
     def should_stop(self) -> bool:

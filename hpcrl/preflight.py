@@ -34,11 +34,11 @@ def _check_algorithm(exp: Experiment) -> list[str]:
     a, problems = exp.algorithm, []
     names = [*advantages.ESTIMATORS, "ppo"]
     if a.name not in names:
-        problems.append(f"algorithm.name: {a.name!r} is not a registered advantage estimator; expected one of "
-                        f"{', '.join(names)}")
+        problems.append(f"algorithm.name: {a.name!r} is not a registered advantage estimator; expected one "
+                        f"of {', '.join(names)}")
     if a.policy_loss not in losses.POLICY_LOSSES:
-        problems.append(f"algorithm.policy_loss: {a.policy_loss!r} is not a registered policy loss; expected one of "
-                        f"{', '.join(losses.POLICY_LOSSES)}")
+        problems.append(f"algorithm.policy_loss: {a.policy_loss!r} is not a registered policy loss; expected "
+                        f"one of {', '.join(losses.POLICY_LOSSES)}")
     return problems
 
 
@@ -54,8 +54,8 @@ def _check_tokenizer(exp: Experiment, model_cfg: dict | None):
     if model_cfg is not None:
         vocab = model_cfg.get("vocab_size") or model_cfg.get("text_config", {}).get("vocab_size")
         if vocab is not None and len(tok) > vocab:
-            problems.append(f"{key}: the tokenizer at {exp.tokenizer_path} has {len(tok)} tokens but the model at "
-                            f"{exp.model.path} has vocab_size {vocab}: they do not belong together")
+            problems.append(f"{key}: the tokenizer at {exp.tokenizer_path} has {len(tok)} tokens but the "
+                            f"model at {exp.model.path} has vocab_size {vocab}: they do not belong together")
     if tok.eos_token_id is None:
         problems.append(f"{key}: the tokenizer at {exp.tokenizer_path} has no eos token")
     return problems, tok
@@ -67,7 +67,8 @@ def _check_split(exp: Experiment, split: str, tok) -> tuple[list[str], list[str]
     problems, notes = [], []
     try:
         if tok is None:  # the tokenizer's problem is reported already; lengths cannot be measured
-            table = data.load_prompts(path, exp.data.prompt_key, exp.data.answer_key, getattr(exp.data, f"{split}_split"))
+            table = data.load_prompts(path, exp.data.prompt_key, exp.data.answer_key,
+                                      getattr(exp.data, f"{split}_split"))
             prompts = data.PromptSet(table, table.num_rows, 0, 0)
         else:
             prompts = data.prompt_set(exp, split, tok)
@@ -122,8 +123,8 @@ def _check_rewards(exp: Experiment) -> list[str]:
         except reward_backends.RewardBackendError as err:
             problems.append(f"reward.model.path: {err}")
         if model.device == "cuda" and exp.executor.kind == "slurm" and not exp.executor.score.gpus_per_node:
-            problems.append("reward.model.device: 'cuda' but executor.score.gpus_per_node = 0 gives the score job "
-                            "no GPU")
+            problems.append("reward.model.device: 'cuda' but executor.score.gpus_per_node = 0 gives the "
+                            "score job no GPU")
     return problems
 
 
@@ -144,8 +145,8 @@ def _check_slurm(exp: Experiment) -> list[str]:
 
     problems = []
     if exp.update.world_size % exp.executor.update.nodes:
-        problems.append(f"executor.update.nodes: update.world_size={exp.update.world_size} ranks do not spread "
-                        f"evenly over {exp.executor.update.nodes} nodes")
+        problems.append(f"executor.update.nodes: update.world_size={exp.update.world_size} ranks do not "
+                        f"spread evenly over {exp.executor.update.nodes} nodes")
     for role in ("controller", *ORDER):
         try:
             sbatch.directives(executors.slurm_parameters(exp, role, exp.run.name), Path("logs"))
@@ -160,8 +161,8 @@ def check(exp: Experiment, source: str) -> list[str]:
     problems, model_cfg = _check_model(exp)
     tok_problems, tok = _check_tokenizer(exp, model_cfg)
     data_problems, notes = _check_data(exp, tok)
-    problems += (tok_problems + data_problems + _check_algorithm(exp) + _check_critic(exp) + _check_rewards(exp) + _check_batch(exp)
-                 + _check_slurm(exp))
+    problems += (tok_problems + data_problems + _check_algorithm(exp) + _check_critic(exp) + _check_rewards(exp)
+                 + _check_batch(exp) + _check_slurm(exp))
     if problems:
         raise ConfigError(f"{source}: the experiment cannot run:\n  " + "\n  ".join(problems))
     return notes + _dynamic_sampling_notes(exp)
@@ -174,5 +175,5 @@ def _dynamic_sampling_notes(exp: Experiment) -> list[str]:
         return []
     costs = (["the reward model is loaded in the generate job as well"] if r.model.path else []) + (
         ["the HTTP reward service receives every training sample twice"] if r.http.url else [])
-    return [f"algorithm.dynamic_sampling: the generate stage scores training samples to choose the batch and the "
-            f"score stage scores them again: {'; '.join(costs)}"]
+    return [f"algorithm.dynamic_sampling: the generate stage scores training samples to choose the batch "
+            f"and the score stage scores them again: {'; '.join(costs)}"]

@@ -43,7 +43,8 @@ def prepare(run: RunDir, exp: Experiment, iteration: int, stage: str, overrides:
             raise commit.CorruptOutputError("; ".join(problems))
     replay_exp = config.with_overrides(exp, overrides, "--set") if overrides else exp
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    root = out or Path(exp.run.runs_root) / "replays" / run.root.name / f"iter_{iteration:06d}-{stage}-{stamp}"
+    root = out or (Path(exp.run.runs_root) / "replays" / run.root.name
+                   / f"iter_{iteration:06d}-{stage}-{stamp}")
     if root.exists() and any(root.iterdir()):
         raise FileExistsError(f"{root}: exists and is not empty; choose another --out")
     replay = RunDir.at(root)
@@ -60,7 +61,8 @@ def run_stage(replay: RunDir, exp: Experiment, iteration: int, stage: str) -> No
     job = executors.LocalExecutor(replay, exp).submit(stage, iteration)
     error = job.job.exception()
     if error is not None or not commit.is_committed(replay.stage_dir(iteration, stage)):
-        raise RuntimeError(f"the replayed {stage} stage failed (log {job.log_paths()[1]}):\n{job.stderr_tail()}")
+        raise RuntimeError(f"the replayed {stage} stage failed (log {job.log_paths()[1]}):\n"
+                           f"{job.stderr_tail()}")
 
 
 @dataclass
@@ -81,7 +83,8 @@ def _rows(stage_dir: Path, table: str, columns: list[str]) -> list[dict]:
 
 def _generate_diff(a: Path, b: Path) -> tuple[bool, list[str]]:
     """Token agreement per sample, and the logprob difference on the samples that agree."""
-    ra, rb = _rows(a, "rollouts", ["response_ids", "logprobs"]), _rows(b, "rollouts", ["response_ids", "logprobs"])
+    ra, rb = (_rows(a, "rollouts", ["response_ids", "logprobs"]),
+              _rows(b, "rollouts", ["response_ids", "logprobs"]))
     if len(ra) != len(rb):
         return False, [f"samples: {len(ra)} in the original, {len(rb)} in the replay"]
     same = [x["response_ids"] == y["response_ids"] for x, y in zip(ra, rb, strict=True)]
@@ -108,7 +111,8 @@ def _score_diff(a: Path, b: Path) -> tuple[bool, list[str]]:
     lines = [f"scores: {len(ra) - len(differ)}/{len(ra)} samples identical"]
     if differ:
         x, y = differ[0]
-        lines.append(f"first sample scored differently: {_sample_name(x)}: reward {x['reward']!r} -> {y['reward']!r}")
+        lines.append(f"first sample scored differently: {_sample_name(x)}: reward {x['reward']!r} -> "
+                     f"{y['reward']!r}")
     return not differ, lines
 
 
@@ -146,7 +150,8 @@ def compare(original: Path, replayed: Path, stage: str) -> Report:
     identical = ma["files"] == mb["files"]
     lines = [f"files: {'byte-identical' if identical else 'different'} ({len(ma['files'])} files checked)"]
     if not identical:
-        differing = sorted(k for k in set(ma["files"]) | set(mb["files"]) if ma["files"].get(k) != mb["files"].get(k))
+        differing = sorted(k for k in set(ma["files"]) | set(mb["files"])
+                           if ma["files"].get(k) != mb["files"].get(k))
         lines.append("differing files: " + ", ".join(differing[:8]))
     ok, more = DIFFS[stage](original, replayed)
     lines += more

@@ -40,7 +40,8 @@ PROBE_PROMPTS = 4
 
 def checkpoint_due(exp: Experiment, iteration: int) -> bool:
     """Whether the update of `iteration` saves the policy and trainer state."""
-    return (iteration + 1) % exp.executor.resident.checkpoint_every == 0 or iteration + 1 == exp.run.iterations
+    every = exp.executor.resident.checkpoint_every
+    return (iteration + 1) % every == 0 or iteration + 1 == exp.run.iterations
 
 
 def probe_sequences(exp: Experiment, tokenizer) -> list[list[int]]:
@@ -55,16 +56,17 @@ def probe_sequences(exp: Experiment, tokenizer) -> list[list[int]]:
     return out
 
 
-def _sync_setup(exp: Experiment, run: RunDir, plane: ControlPlane, me: str, peer: str) -> transports.SyncSetup:
+def _sync_setup(exp: Experiment, run: RunDir, plane: ControlPlane, me: str,
+                peer: str) -> transports.SyncSetup:
     """The weight sync both ends agree on (hpcrl.transports), from where trainer 0 and the generator run."""
     here = os.environ.get("SLURMD_NODENAME") or os.uname().nodename  # Slurm's node name, else the host's
     plane.store.set(f"host/{me}", here)
     hosts = {me: here, peer: plane.store.get(f"host/{peer}").decode()}
-    name = transports.choose(exp.executor.resident.weight_sync, hosts["trainer0"], hosts["generator"], _backend() == "nccl")
+    r = exp.executor.resident
+    name = transports.choose(r.weight_sync, hosts["trainer0"], hosts["generator"], _backend() == "nccl")
     return transports.SyncSetup(name, plane.host, plane.port, engines=1, tp=exp.generate.tensor_parallel_size,
-                                timeout_s=exp.executor.resident.collective_timeout_s,
-                                bucket_bytes=int(exp.executor.resident.sync_bucket_mb * (1 << 20)), backend=_backend(),
-                                directory=str(run.root / "resident" / "weights"))
+                                timeout_s=r.collective_timeout_s, bucket_bytes=int(r.sync_bucket_mb * (1 << 20)),
+                                backend=_backend(), directory=str(run.root / "resident" / "weights"))
 
 
 def _backend() -> str:
@@ -88,8 +90,8 @@ class ResidentCall(submitit.helpers.Checkpointable):
         run, exp = runs.open_run(self.run_dir)
         layout = Layout(exp.update.world_size)
         if world != layout.world_size:
-            raise RuntimeError(f"the resident job has {world} tasks; update.world_size = {exp.update.world_size} "
-                               f"needs {layout.world_size} (trainers + 1 generator)")
+            raise RuntimeError(f"the resident job has {world} tasks; update.world_size = "
+                               f"{exp.update.world_size} needs {layout.world_size} (trainers + 1 generator)")
         plane = ControlPlane(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, layout,
                              exp.executor.resident.stall_s, exp.executor.resident.collective_timeout_s)
         plane.start_monitor()
@@ -112,7 +114,8 @@ def _lost_peer(err: BaseException) -> bool:
     """Whether an error is a broken connection to another task (gloo, NCCL or the store)."""
     text = str(err).lower()
     return isinstance(err, RuntimeError) and any(
-        s in text for s in ("connection closed", "connection reset", "broken pipe", "closed by peer", "timed out"))
+        s in text for s in ("connection closed", "connection reset", "broken pipe", "closed by peer",
+                            "timed out"))
 
 
 class Trainer:
@@ -140,7 +143,8 @@ class Trainer:
         self.commit_error: BaseException | None = None
         self.sync = transports.make(setup) if setup is not None else None
         if self.sync is not None:
-            self.sync.open_sender(plane.store, str(self.actor.engine.device) if _backend() == "nccl" else "cpu")
+            self.sync.open_sender(plane.store,
+                                  str(self.actor.engine.device) if _backend() == "nccl" else "cpu")
 
     def serve(self) -> None:
         import torch.distributed as dist
@@ -173,9 +177,10 @@ class Trainer:
             self.plane.reply(reply)
         if attempt.ctx is None and self.rank == 0:  # committed by an earlier attempt
             self.plane.signal(f"committed/{k}")
-        elif attempt.ctx is not None and overlap:  # the checkpoint and the commit run while the generator samples
-            self.committer = threading.Thread(target=self._commit_in_background, args=(attempt, k, checkpoint),
-                                              name="hpcrl-commit", daemon=True)
+        elif attempt.ctx is not None and overlap:
+            # the checkpoint and the commit run while the generator samples
+            self.committer = threading.Thread(target=self._commit_in_background,
+                                              args=(attempt, k, checkpoint), name="hpcrl-commit", daemon=True)
             self.committer.start()
 
     def _commit(self, attempt: OpenStage, k: int, checkpoint: bool) -> None:
@@ -193,7 +198,8 @@ class Trainer:
         except BaseException as err:  # noqa: BLE001  (every task stops: the monitors read the flag)
             self.commit_error = err
             traceback.print_exc()
-            self.plane.fail(f"committing the update of iteration {k}: {type(err).__name__}: {err}".splitlines()[0])
+            self.plane.fail(f"committing the update of iteration {k}: {type(err).__name__}: "
+                            f"{err}".splitlines()[0])
 
     def _await_commit(self) -> None:
         if self.committer is not None:
@@ -271,8 +277,8 @@ class Generator:
 
         t0 = time.perf_counter()
         engine_lp = generation.sequence_logprobs(self.llm, self.probe)
-        metrics = weight_sync.check_probe(engine_lp, reply["probe_new"], reply["probe_old"],
-                                          weight_sync.probe_tolerance(self.exp.executor.resident.sync_check_tol, self.exp.model.dtype), version=k + 1)
+        tol = weight_sync.probe_tolerance(self.exp.executor.resident.sync_check_tol, self.exp.model.dtype)
+        metrics = weight_sync.check_probe(engine_lp, reply["probe_new"], reply["probe_old"], tol, version=k + 1)
         metrics["sync/probe_s"] = time.perf_counter() - t0
         nbytes = float(reply["handoff"]["bytes"])
         self.gen.metrics = {**metrics, "sync/seconds": sync_s, "sync/bytes": nbytes,
@@ -282,7 +288,8 @@ class Generator:
         """The trainer's reply to update command `seq`, once the engine holds the new weights, and
         the sync's seconds: trainer 0's gather and send, plus what the load side adds after it."""
         if transports.TRANSPORTS[self.sync.transport].streams:  # loaded as the buckets arrive
-            self.llm.collective_rpc("hpcrl_load_weights", args=(transports.Handoff(self.sync.transport).as_dict(),))
+            self.llm.collective_rpc("hpcrl_load_weights",
+                                    args=(transports.Handoff(self.sync.transport).as_dict(),))
             t0 = time.perf_counter()
             reply = self.plane.wait_reply(seq)
         else:

@@ -75,8 +75,8 @@ def inspect_model(path: str) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]
     except (OSError, ValueError) as err:
         raise RewardBackendError(f"{where}: cannot load a tokenizer: {_first_line(err)}") from None
     if pad_token_id(cfg, tok) is None:
-        raise RewardBackendError(f"{where}: no pad token: expected pad_token_id in config.json or a pad token "
-                                 "in the tokenizer, to score batches")
+        raise RewardBackendError(f"{where}: no pad token: expected pad_token_id in config.json or a pad "
+                                 "token in the tokenizer, to score batches")
     return cfg, tok
 
 
@@ -128,7 +128,8 @@ class RewardModel:
         try:
             model = AutoModelForSequenceClassification.from_pretrained(cfg.path, dtype=dtype)
         except (OSError, ValueError) as err:
-            raise RewardBackendError(f"reward model {cfg.path}: cannot load the weights: {_first_line(err)}") from None
+            raise RewardBackendError(f"reward model {cfg.path}: cannot load the weights: "
+                                     f"{_first_line(err)}") from None
         self.pad_id = pad_token_id(model_cfg, self.tokenizer)
         model.config.get_text_config().pad_token_id = self.pad_id  # the padding pad_batch writes
         self.model = model.to(self.device).eval()
@@ -147,13 +148,14 @@ class RewardModel:
             for start in range(0, len(order), self.batch_size):
                 batch = order[start : start + self.batch_size]
                 input_ids, mask = pad_batch([ids[i] for i in batch], self.pad_id)
-                logits = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)).logits
+                logits = self.model(input_ids=input_ids.to(self.device),
+                                    attention_mask=mask.to(self.device)).logits
                 for i, value in zip(batch, logits[:, 0].float().tolist(), strict=True):
                     scores[i] = value
         bad = [i for i, v in enumerate(scores) if not math.isfinite(v)]
         if bad:
-            raise RewardBackendError(f"reward model {self.path}: non-finite score for {len(bad)} of {len(scores)} "
-                                     f"samples (the first is sample {bad[0]})")
+            raise RewardBackendError(f"reward model {self.path}: non-finite score for {len(bad)} of "
+                                     f"{len(scores)} samples (the first is sample {bad[0]})")
         return scores
 
 
@@ -166,10 +168,11 @@ def _finite_number(value) -> bool:
 
 def _check_output(out, i: int) -> Output:
     if isinstance(out, dict):
-        wrong = [k for k, v in out.items() if not (_finite_number(v) or (k == "message" and isinstance(v, str)))]
+        wrong = [k for k, v in out.items()
+                 if not (_finite_number(v) or (k == "message" and isinstance(v, str)))]
         if "score" not in out or wrong:
-            raise ValueError(f"scores[{i}]: expected a finite number or an object with a numeric `score`, numeric "
-                             f"components and a string `message`, got {_excerpt(json.dumps(out))}")
+            raise ValueError(f"scores[{i}]: expected a finite number or an object with a numeric `score`, "
+                             f"numeric components and a string `message`, got {_excerpt(json.dumps(out))}")
         return out
     if not _finite_number(out):
         raise ValueError(f"scores[{i}]: expected a finite number, got {_excerpt(json.dumps(out))}")
@@ -246,7 +249,8 @@ class HttpReward:
                 problem = f"HTTP {resp.status_code}: {_excerpt(resp.text)}"
                 continue
             if not resp.is_success:
-                raise RewardBackendError(f"{where}: HTTP {resp.status_code}: {_excerpt(resp.text)} (not retried)")
+                raise RewardBackendError(f"{where}: HTTP {resp.status_code}: {_excerpt(resp.text)} "
+                                         "(not retried)")
             try:
                 return parse_scores(resp.text, len(batch))
             except ValueError as err:

@@ -85,7 +85,8 @@ def load(name: str) -> RewardFn:
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise RewardLoadError(f"reward function {name!r}: cannot import module {module_name!r}: {err}") from None
+        raise RewardLoadError(f"reward function {name!r}: cannot import module {module_name!r}: "
+                              f"{err}") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise RewardLoadError(f"reward function {name!r}: module {module_name!r} has no function {fn_name!r}")

@@ -133,7 +133,8 @@ class ControlPlane:
                            f"{self.stall_s:.0f} s: killed, or its node is gone)")
                 self.fail(failure.split(" failed: ")[-1], store)
             if failure is not None:
-                print(f"[resident] {self.layout.name(self.rank)} stops: {failure}", file=sys.stderr, flush=True)
+                print(f"[resident] {self.layout.name(self.rank)} stops: {failure}", file=sys.stderr,
+                      flush=True)
                 os._exit(1)
 
     # -- commands (generator -> trainers) and replies (trainer 0 -> generator) --------------
@@ -143,8 +144,8 @@ class ControlPlane:
         try:
             self.store.wait([key], timedelta(seconds=self.timeout_s))
         except RuntimeError as err:
-            raise RoleFailedError(self.failure() or f"{self.layout.name(self.rank)}: nothing came on {key} "
-                                  f"within executor.resident.collective_timeout_s = {self.timeout_s:.0f} s") from err
+            raise RoleFailedError(self.failure() or f"{self.layout.name(self.rank)}: nothing came on {key} within "
+                                  f"executor.resident.collective_timeout_s = {self.timeout_s:.0f} s") from err
         return self.store.get(key).decode()
 
     def send(self, command: dict) -> int:

@@ -143,7 +143,8 @@ class RunDir:
         if stop is None:
             info.pop("stopped")
         else:
-            info["stopped"] = {"at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), **stop}
+            info["stopped"] = {"at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                               **stop}
         self.write_run_info(info)
 
     @property
@@ -155,7 +156,8 @@ class RunDir:
         import time
 
         with open(self.jobs_file, "a") as f:
-            f.write(json.dumps({"job_id": job_id, "role": role, "iteration": iteration, "submitted": time.time()}) + "\n")
+            f.write(json.dumps({"job_id": job_id, "role": role, "iteration": iteration,
+                                "submitted": time.time()}) + "\n")
 
     def jobs(self) -> list[dict]:
         if not self.jobs_file.is_file():

@@ -37,8 +37,9 @@ def check(exp: Experiment, source: str) -> tuple[RunDir, Experiment | None]:
     frozen = config.load(run.config_path)
     conflicts = config.resume_conflicts(frozen, exp)
     if conflicts:
-        raise ConfigError(f"{source}: run {run.root} exists with a different config; these keys may not change "
-                          "on resume (use another run.name for a new run):\n  " + "\n  ".join(conflicts))
+        raise ConfigError(f"{source}: run {run.root} exists with a different config; these keys may "
+                          "not change on resume (use another run.name for a new run):\n  "
+                          + "\n  ".join(conflicts))
     if exp.run.iterations < frozen.run.iterations:
         raise ConfigError(f"{source}: run.iterations: the run has {frozen.run.iterations}; it may grow on "
                           f"resume, not shrink (got {exp.run.iterations})")
@@ -62,7 +63,8 @@ def prepare(exp: Experiment, source: str) -> tuple[RunDir, bool]:
     run.root.mkdir(parents=True, exist_ok=True)
     _freeze(run, exp)
     run.write_run_info({"run_id": uuid.uuid4().hex, "name": exp.run.name, "created": _now(),
-                        "code_version": code_version(), "user": getpass.getuser(), "source": str(Path(source).resolve())})
+                        "code_version": code_version(), "user": getpass.getuser(),
+                        "source": str(Path(source).resolve())})
     return run, False
 
 

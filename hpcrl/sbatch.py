@@ -37,8 +37,8 @@ def directives(params: dict, log_dir: Path) -> list[str]:
             continue
         text = str(value)
         if not SBATCH_VALUE.fullmatch(text):
-            raise ConfigError(f"executor: sbatch option {flag} has the value {text!r}; expected only letters, digits "
-                              "and _.,:=@%/+-[] (no spaces, quotes or shell characters)")
+            raise ConfigError(f"executor: sbatch option {flag} has the value {text!r}; expected only "
+                              "letters, digits and _.,:=@%/+-[] (no spaces, quotes or shell characters)")
         lines.append(f"{flag}={text}")
     if SBATCH_VALUE.fullmatch(str(log_dir)):  # else Slurm's default, slurm-<id>.out where sbatch was run
         lines.append(f"--output={log_dir}/%x-%j.out")
@@ -51,7 +51,8 @@ def _env() -> jinja2.Environment:
 
 
 def render(run: RunDir, exp: Experiment, role: str, iteration: int | None = None) -> str:
-    """The script of the controller, of the resident job (role "resident") or of one stage of one iteration."""
+    """The script of the controller, of the resident job (role "resident") or of one stage of one
+    iteration."""
     params = executors.slurm_parameters(exp, role, run.root.name)
     if iteration is not None:
         params["job_name"] += f"-{iteration}"
@@ -69,11 +70,13 @@ def write_all(run: RunDir, exp: Experiment, out: Path) -> list[Path]:
     if exp.executor.mode == "resident":
         scripts["resident.sbatch"] = render(run, exp, "resident")
     else:
-        scripts.update({f"iter_{k:06d}-{stage}.sbatch": render(run, exp, stage, k) for k, stage in plan.all_stages(exp)})
+        scripts.update({f"iter_{k:06d}-{stage}.sbatch": render(run, exp, stage, k)
+                        for k, stage in plan.all_stages(exp)})
     shutil.rmtree(out, ignore_errors=True)
     (out / "sbatch").mkdir(parents=True)
     paths = [out / "experiment.toml"]
-    paths[0].write_text("# Resolved config of a dry run (written by hpcrl submit --dry-run).\n" + config.dumps(exp))
+    paths[0].write_text("# Resolved config of a dry run (written by hpcrl submit --dry-run).\n"
+                        + config.dumps(exp))
     for name, text in scripts.items():
         paths.append(out / "sbatch" / name)
         paths[-1].write_text(text)

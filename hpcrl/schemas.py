@@ -32,8 +32,10 @@ ROLLOUTS = pa.schema(
         pa.field("response_text", pa.string()),
         pa.field("finish_reason", pa.string()),
         pa.field("policy_version", pa.int32(), nullable=False),
-        pa.field("round", pa.int32(), nullable=False),  # sampling round that drew the prompt (0 without dynamic sampling)
-        pa.field("kept", pa.bool_(), nullable=False),  # the update trains on it (false for validation samples)
+        # sampling round that drew the prompt (0 without dynamic sampling)
+        pa.field("round", pa.int32(), nullable=False),
+        # the update trains on it (false for validation samples)
+        pa.field("kept", pa.bool_(), nullable=False),
     ]
 )
 

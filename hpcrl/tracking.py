@@ -48,7 +48,8 @@ class Tracker:
         self.run_id = info.get("mlflow_run_id")
         if self.run_id is None:
             exp_id = self._experiment_id(exp)
-            mlrun = self.client.create_run(exp_id, run_name=exp.run.name, tags={"hpcrl.run_dir": str(run.root)})
+            mlrun = self.client.create_run(exp_id, run_name=exp.run.name,
+                                           tags={"hpcrl.run_dir": str(run.root)})
             self.run_id = mlrun.info.run_id
             run.write_run_info({**info, "mlflow_run_id": self.run_id, "mlflow_tracking_uri": uri})
             params = [mlflow.entities.Param(k, str(v)[:6000]) for k, v in config.flat(exp).items()]

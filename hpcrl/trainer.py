@@ -37,7 +37,8 @@ def ds_config(exp: Experiment, world_size: int, grad_accum: int) -> dict:
         "gradient_accumulation_steps": grad_accum,
         "train_batch_size": u.micro_batch_size * grad_accum * world_size,
         "gradient_clipping": u.grad_clip,
-        "zero_optimization": {"stage": zero_stage(exp, world_size), "stage3_gather_16bit_weights_on_model_save": True},
+        "zero_optimization": {"stage": zero_stage(exp, world_size),
+                              "stage3_gather_16bit_weights_on_model_save": True},
         "bf16": {"enabled": exp.model.dtype == "bfloat16"},
         "fp16": {"enabled": exp.model.dtype == "float16"},
         "steps_per_print": 1 << 30,
@@ -51,7 +52,8 @@ def make_engine(model, lr: float, exp: Experiment, world_size: int, grad_accum: 
     import deepspeed
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=exp.update.weight_decay)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(exp, world_size, grad_accum))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                      config=ds_config(exp, world_size, grad_accum))
     if state_dir is not None:
         path, _ = engine.load_checkpoint(str(state_dir), tag=DS_TAG)
         if path is None:
@@ -66,7 +68,8 @@ def engine_step(engine) -> float:
     boundary = engine.is_gradient_accumulation_boundary()
     norm = None
     if boundary and engine.zero_optimization_stage() == 0:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in engine.module.parameters() if p.grad is not None])
+        norm = torch.nn.utils.get_total_norm([p.grad for p in engine.module.parameters()
+                                              if p.grad is not None])
     engine.step()
     if norm is None and boundary:
         norm = engine.get_global_grad_norm()
@@ -93,8 +96,9 @@ def split_mini_batches(group_ids: list[int], mini_batches: int, seed: int, epoch
 def check_batch_shape(exp: Experiment, n_samples: int, world_size: int) -> None:
     u = exp.update
     if n_samples % (u.mini_batches * world_size):
-        raise ValueError(f"update: {n_samples} samples cannot be split into update.mini_batches={u.mini_batches} "
-                         f"mini-batches over update.world_size={world_size} ranks evenly")
+        raise ValueError(f"update: {n_samples} samples cannot be split into "
+                         f"update.mini_batches={u.mini_batches} mini-batches over "
+                         f"update.world_size={world_size} ranks evenly")
 
 
 def refuse_non_finite(iteration: int, stats: list[dict], modules: dict[str, torch.nn.Module]) -> None:
@@ -107,9 +111,9 @@ def refuse_non_finite(iteration: int, stats: list[dict], modules: dict[str, torc
     if norms or bad:
         what = ([f"a non-finite gradient norm at step(s) {norms}"] if norms else []) + \
                [f"{n} non-finite parameter tensor(s) in the {name}" for name, n in bad.items()]
-        raise FloatingPointError(f"the update of iteration {iteration} produced {' and '.join(what)}; nothing is "
-                                 f"committed and the run stays at policy version {iteration} (check update.lr, "
-                                 "update.grad_clip and the rewards)")
+        raise FloatingPointError(f"the update of iteration {iteration} produced {' and '.join(what)}; "
+                                 f"nothing is committed and the run stays at policy version {iteration} "
+                                 "(check update.lr, update.grad_clip and the rewards)")
 
 
 def all_sum(values: list[float]) -> list[float]:

@@ -39,7 +39,8 @@ class SyncLayout:
 
     def rank(self, engine: int, tp_rank: int) -> int:
         if not (0 <= engine < self.engines and 0 <= tp_rank < self.tp):
-            raise ValueError(f"no worker {tp_rank} of engine {engine} in {self.engines} engine(s) x {self.tp} rank(s)")
+            raise ValueError(f"no worker {tp_rank} of engine {engine} in {self.engines} engine(s) x "
+                             f"{self.tp} rank(s)")
         return 1 + engine * self.tp + tp_rank
 
 
@@ -115,7 +116,8 @@ def register(name: str) -> Callable[[type[Transport]], type[Transport]]:
 def make(setup: SyncSetup | dict) -> Transport:
     setup = setup if isinstance(setup, SyncSetup) else SyncSetup(**setup)
     if setup.transport not in TRANSPORTS:
-        raise ValueError(f"unknown weight-sync transport {setup.transport!r}; registered: {', '.join(TRANSPORTS)}")
+        raise ValueError(f"unknown weight-sync transport {setup.transport!r}; registered: "
+                         f"{', '.join(TRANSPORTS)}")
     return TRANSPORTS[setup.transport](setup)
 
 
@@ -127,8 +129,9 @@ def choose(setting: str, trainer_host: str, generator_host: str, cuda: bool) -> 
         same_cpu_node = trainer_host == generator_host and not cuda and hasattr(os, "memfd_create")
         return "shared_memory" if same_cpu_node else "process_group"
     if setting == "shared_memory" and trainer_host != generator_host:
-        raise RuntimeError(f"executor.resident.weight_sync = \"shared_memory\" needs trainer 0 and the generator on one node; "
-                           f"they are on {trainer_host} and {generator_host}: use \"process_group\" or \"auto\"")
+        raise RuntimeError(f"executor.resident.weight_sync = \"shared_memory\" needs trainer 0 and the generator "
+                           f"on one node; they are on {trainer_host} and {generator_host}: use \"process_group\" "
+                           "or \"auto\"")
     return setting
 
 
@@ -164,7 +167,8 @@ class ProcessGroupTransport(Transport):
 
 @register("shared_memory")
 class SharedMemoryTransport(Transport):
-    """One memory file of trainer 0, mapped by the workers on its node (hpcrl.weight_sync.SharedMemorySync)."""
+    """One memory file of trainer 0, mapped by the workers on its node
+    (hpcrl.weight_sync.SharedMemorySync)."""
 
     buffer = None
 

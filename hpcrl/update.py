@@ -88,14 +88,15 @@ class Update:
         ctx.policy_version = k + 1
         torch.manual_seed(ctx.seed)
         with ctx.timed("io"):
-            self.samples = batches.load_samples(commit.read_table(gen, "rollouts"), commit.read_table(scored, "scores"))
+            self.samples = batches.load_samples(commit.read_table(gen, "rollouts"),
+                                                commit.read_table(scored, "scores"))
         n = len(self.samples)
         trainer.check_batch_shape(exp, n, actor.world_size)
         self.rows = trainer.rank_rows(list(range(n)), actor.rank, actor.world_size)
         self.engines = {"trainer": actor.engine, **({"critic": actor.critic.engine} if actor.critic else {})}
+        groups = self.samples.group_ids.tolist()
         self.steps = [(epoch, mini) for epoch in range(exp.update.ppo_epochs)
-                      for mini in trainer.split_mini_batches(self.samples.group_ids.tolist(), exp.update.mini_batches,
-                                                               ctx.seed, epoch)]
+                      for mini in trainer.split_mini_batches(groups, exp.update.mini_batches, ctx.seed, epoch)]
         self.trains_policy = actor.critic is None or k >= a.critic.warmup
         # Until the first optimizer step the policy is the old one, so the first mini-batch's old
         # logprobs come from its own training forward pass; unless GAE must price the reference KL
@@ -130,7 +131,8 @@ class Update:
             first = set(self.steps[0][1]) if self.own_old else set()
             later = trainer.rank_rows([i for i in range(n) if i not in first], actor.rank, actor.world_size)
             old = trainer.logprobs_of(actor.engine, samples, later, exp, actor.pad_id, actor.engine.device)
-        ref = (trainer.logprobs_of(actor.ref_model, samples, self.rows, exp, actor.pad_id, actor.engine.device)
+        ref = (trainer.logprobs_of(actor.ref_model, samples, self.rows, exp, actor.pad_id,
+                                   actor.engine.device)
                if actor.ref_model is not None else None)
         mask = trainer.response_mask([len(r) for r in samples.response_ids])
         kl_tokens, control = None, None
@@ -148,16 +150,18 @@ class Update:
         actor, s = self.actor, {"step": state.step, "epoch": epoch}
         if self.trains_policy:
             fresh = self.own_old and not state.stats
-            s.update(actor.train_step(self.samples, mini,
-                                      StepInputs(state.adv, None if fresh else state.old, state.ref, self.loss_coef)))
+            s.update(actor.train_step(self.samples, mini, StepInputs(state.adv, None if fresh else state.old,
+                                                                     state.ref, self.loss_coef)))
             state.old.update(s.pop("old", {}))
-        if state.ref is not None and state.control is None:  # own_old: the batch's old logprobs are all in now
+        # own_old: the batch's old logprobs are all in now
+        if state.ref is not None and state.control is None:
             _, state.control = self._price_kl(state.old, state.ref, state.metrics)
         if actor.critic is not None:
             s.update(actor.critic.train_step(self.samples, mini, state.old_values, state.returns))
         state.stats.append(s)
         if len(self.steps) > 1:
-            self._say(f"step {state.step}/{len(self.steps)}" + (f" loss {s['loss']:.4g}" if "loss" in s else ""))
+            self._say(f"step {state.step}/{len(self.steps)}"
+                      + (f" loss {s['loss']:.4g}" if "loss" in s else ""))
 
     def _hand_over(self, state: UpdateState) -> None:
         """Save the progress (every rank: its engines' state) and let Slurm requeue the job."""
@@ -177,7 +181,8 @@ class Update:
             return None
         if state.rng is not None:
             torch.set_rng_state(state.rng)
-        self._say(f"resuming at step {state.step + 1}/{len(self.steps)} from {preemption.partial_dir(out_dir)}")
+        self._say(f"resuming at step {state.step + 1}/{len(self.steps)} from "
+                  f"{preemption.partial_dir(out_dir)}")
         return state
 
     def _write(self, state: UpdateState) -> None:
@@ -196,7 +201,8 @@ class Update:
         coefficient, and its KL control record."""
         a, samples = self.exp.algorithm, self.samples
         mask = trainer.response_mask([len(r) for r in samples.response_ids])
-        kl_tokens = losses.kl_penalty(trainer.pad_rows(old, mask), trainer.pad_rows(ref, mask), a.kl.estimator) * mask
+        kl_tokens = losses.kl_penalty(trainer.pad_rows(old, mask), trainer.pad_rows(ref, mask), a.kl.estimator)
+        kl_tokens = kl_tokens * mask
         control = kl_control.step(a.kl, self.coef, kl_control.sequence_kl(kl_tokens, mask), len(samples))
         metrics.update({"critic/kl_coef": self.coef, "actor/reward_kl_penalty": control.kl})
         return kl_tokens, control
@@ -219,7 +225,8 @@ class Update:
 
 def advantages_table(samples: batches.Samples, adv, old: dict, ref: dict | None, values: dict | None,
                      returns: dict | None) -> pa.Table:
-    """The per-sample record of the update; for ppo (`adv` by row) also per-token advantages, values, returns."""
+    """The per-sample record of the update; for ppo (`adv` by row) also per-token advantages, values,
+    returns."""
     n = len(samples)
     floats = pa.list_(pa.float32())
 
@@ -227,7 +234,8 @@ def advantages_table(samples: batches.Samples, adv, old: dict, ref: dict | None,
         return pa.array([d[i] for i in range(n)], floats) if d is not None else pa.nulls(n, floats)
 
     token_adv = adv if isinstance(adv, dict) else None
-    per_sample = adv.numpy() if token_adv is None else [float(np.mean(v)) if v else 0.0 for v in token_adv.values()]
+    per_sample = (adv.numpy() if token_adv is None
+                  else [float(np.mean(v)) if v else 0.0 for v in token_adv.values()])
     return pa.table({
         **{c: samples.keys[c] for c in samples.keys.column_names},
         "advantage": pa.array(per_sample, pa.float32()),
@@ -252,7 +260,8 @@ def critic_metrics(values: torch.Tensor, targets, mask: torch.Tensor) -> dict[st
     }
 
 
-def update_metrics(stats: list[dict], samples: batches.Samples, old: dict, compute_s: float) -> dict[str, float]:
+def update_metrics(stats: list[dict], samples: batches.Samples, old: dict,
+                   compute_s: float) -> dict[str, float]:
     """Means over the steps; a statistic no step has (the policy's during critic warmup) is left out."""
     diffs = np.abs(np.concatenate([np.asarray(old[i]) - np.asarray(samples.sampler_logprobs[i])
                                    for i in range(len(samples))] or [np.zeros(0)]))

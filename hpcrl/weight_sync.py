@@ -85,7 +85,8 @@ class ProcessGroupSync:
         _broadcast_bytes(self.pg, json.dumps(header).encode(), self.rank, self.device)
         sent = 0
         for bucket in buckets:
-            flat = bucket[0][1].reshape(-1) if len(bucket) == 1 else torch.cat([t.reshape(-1) for _, t in bucket])
+            flat = (bucket[0][1].reshape(-1) if len(bucket) == 1
+                    else torch.cat([t.reshape(-1) for _, t in bucket]))
             self.pg.broadcast(flat, 0).wait()
             sent += flat.numel() * flat.element_size()
         return sent
@@ -143,7 +144,8 @@ class SharedMemorySync:
 
     def __init__(self):
         if not hasattr(os, "memfd_create"):
-            raise RuntimeError("shared-memory weight sync needs Linux (memfd); use weight_sync = \"process_group\"")
+            raise RuntimeError("shared-memory weight sync needs Linux (memfd); use "
+                               "weight_sync = \"process_group\"")
         self.path: str | None = None
         self.buffer: torch.Tensor | None = None
 
@@ -164,7 +166,8 @@ class SharedMemorySync:
             self.path = f"/proc/{os.getpid()}/fd/{fd}"
             self.buffer = torch.from_file(self.path, shared=True, size=max(offset, 1), dtype=torch.uint8)
         elif offset > self.buffer.numel():
-            raise ValueError(f"the weights grew from {self.buffer.numel()} to {offset} bytes since the first sync")
+            raise ValueError(f"the weights grew from {self.buffer.numel()} to {offset} bytes since the "
+                             "first sync")
         for t, start in slots:
             _slot(self.buffer, start, t.dtype, t.shape).copy_(t.detach())
         return sum(t.numel() * t.element_size() for t, _ in slots), header
@@ -176,7 +179,8 @@ class SharedMemorySync:
                    for _, dtype, shape, start in header), default=1)
         buffer = torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
         if buffer.numel() < end:
-            raise WeightSyncError(f"the shared weight buffer {path} holds {buffer.numel()} bytes, the header needs {end}")
+            raise WeightSyncError(f"the shared weight buffer {path} holds {buffer.numel()} bytes, the header "
+                                  f"needs {end}")
         return buffer
 
     @staticmethod
@@ -207,7 +211,8 @@ def _mean_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
     flat_a = torch.tensor([x for row in a for x in row], dtype=torch.float64)
     flat_b = torch.tensor([x for row in b for x in row], dtype=torch.float64)
     if flat_a.shape != flat_b.shape:
-        raise WeightSyncError(f"probe logprobs differ in shape: {tuple(flat_a.shape)} vs {tuple(flat_b.shape)}")
+        raise WeightSyncError(f"probe logprobs differ in shape: {tuple(flat_a.shape)} vs "
+                              f"{tuple(flat_b.shape)}")
     return float((flat_a - flat_b).abs().mean()) if flat_a.numel() else 0.0
 
 
@@ -227,12 +232,12 @@ def check_probe(engine: list[list[float]], trainer_new: list[list[float]], train
                               f"{diff_new}); stopping rather than serving a non-finite policy")
     if diff_new > tol:
         stale = " (it matches the previous weights: the sync did not happen)" if diff_old < diff_new else ""
-        raise WeightSyncError(f"after loading policy version {version}, vLLM's logprobs on the probe batch differ "
-                              f"from the trainer's by {diff_new:.2e} on average, above the tolerance {tol:.0e} "
-                              f"(executor.resident.sync_check_tol){stale}; stopping rather than training on stale or "
-                              "corrupted weights")
+        raise WeightSyncError(f"after loading policy version {version}, vLLM's logprobs on the probe batch "
+                              f"differ from the trainer's by {diff_new:.2e} on average, above the tolerance "
+                              f"{tol:.0e} (executor.resident.sync_check_tol){stale}; stopping rather than training "
+                              "on stale or corrupted weights")
     if shift > tol and diff_old <= diff_new:
         raise WeightSyncError(f"after loading policy version {version}, vLLM matches the previous weights "
-                              f"({diff_old:.2e}) at least as well as the new ones ({diff_new:.2e}): the sync did not "
-                              "take effect")
+                              f"({diff_old:.2e}) at least as well as the new ones ({diff_new:.2e}): the sync "
+                              "did not take effect")
     return metrics
