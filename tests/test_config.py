@@ -157,7 +157,8 @@ def test_a_key_that_moved_into_a_section_names_its_new_place(write_experiment):
                             executor={"mode": "resident", "weight_sync": "shared_memory"})
     with pytest.raises(ConfigError) as err:
         config.load(path)
-    for old, new in [("algorithm.kl_coef", "algorithm.kl.coef"), ("algorithm.critic_lr", "algorithm.critic.lr"),
+    for old, new in [("algorithm.kl_coef", "algorithm.kl.coef"),
+                     ("algorithm.critic_lr", "algorithm.critic.lr"),
                      ("algorithm.gamma", "algorithm.critic.gamma"),
                      ("executor.weight_sync", "executor.resident.weight_sync")]:
         assert f"{old}: this key is now {new}" in str(err.value)
@@ -171,6 +172,34 @@ def test_a_key_that_moved_into_a_section_names_its_new_place(write_experiment):
         0.1, 1e-3, "shared_memory")
 
 
+def test_an_older_frozen_config_migrates_to_one_that_loads(write_experiment):
+    """A frozen config of an older version lists every key: the critic's for grpo, the resident
+    job's for a staged run. The migration leaves out what the new schema refuses, and says so."""
+    import tomllib
+
+    import tomli_w
+
+    from tools.migrate_config import migrate
+
+    data = tomllib.loads(write_experiment("frozen").read_text())
+    data["algorithm"].update(kl_coef=0.05, kl_estimator="k1", gamma=1.0, lam=0.95, critic_lr=1e-5)
+    data["executor"] = {"mode": "staged", "weight_sync": "auto", "stall_s": 20,
+                        "resident": {"partition": "", "time_min": 1440}, "update": {"time_min": 30}}
+    dropped: list[str] = []
+    new = migrate(tomli_w.dumps(data), dropped)
+    path = write_experiment("migrated")
+    path.write_text(new)
+    exp = config.load(path)
+    assert (exp.algorithm.kl.coef, exp.algorithm.kl.estimator, exp.algorithm.critic) == (0.05, "k1", None)
+    assert exp.executor.mode == "staged" and exp.executor.update.time_min == 30
+    assert sorted(dropped) == ["algorithm.critic_lr", "algorithm.gamma", "algorithm.lam",
+                               "executor.resident.partition",
+                               "executor.resident.time_min", "executor.stall_s", "executor.weight_sync"]
+    data["executor"]["mode"] = "resident"  # the same older file of a resident run keeps its resident section
+    resident = config.parse(tomllib.loads(migrate(tomli_w.dumps(data))), "old", path.parent)
+    assert (resident.executor.resident.time_min, resident.executor.resident.stall_s) == (1440, 20)
+
+
 def test_a_critic_path_without_a_model_is_refused(write_experiment, tmp_path):
     path = write_experiment(algorithm={"name": "ppo", "critic": {"path": str(tmp_path / "no-critic")}})
     with pytest.raises(ConfigError, match=r"algorithm\.critic\.path: .*no-critic: not an HF model directory"):
@@ -178,10 +207,11 @@ def test_a_critic_path_without_a_model_is_refused(write_experiment, tmp_path):
 
 
 def test_shared_memory_weights_need_one_node(write_experiment):
-    resident = {"kind": "slurm", "mode": "resident"}
-    with pytest.raises(ConfigError, match=r"executor\.resident\.weight_sync: \"shared_memory\" needs trainer 0 and "
-                                          r"the generator on one node, but nodes = 2"):
-        config.load(write_experiment(update={"world_size": 1},
-                                     executor={**resident, "resident": {"nodes": 2, "weight_sync": "shared_memory"}}))
-    exp = config.load(write_experiment(executor={**resident, "resident": {"nodes": 1, "weight_sync": "shared_memory"}}))
+    def resident(nodes: int) -> dict:
+        return {"kind": "slurm", "mode": "resident", "resident": {"nodes": nodes, "weight_sync": "shared_memory"}}
+
+    with pytest.raises(ConfigError, match=r"executor\.resident\.weight_sync: \"shared_memory\" needs trainer 0 "
+                                          r"and the generator on one node, but nodes = 2"):
+        config.load(write_experiment(update={"world_size": 1}, executor=resident(2)))
+    exp = config.load(write_experiment(executor=resident(1)))
     assert exp.executor.resident.weight_sync == "shared_memory"
