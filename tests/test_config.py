@@ -184,7 +184,8 @@ def test_an_older_frozen_config_migrates_to_one_that_loads(write_experiment):
     data = tomllib.loads(write_experiment("frozen").read_text())
     data["algorithm"].update(kl_coef=0.05, kl_estimator="k1", gamma=1.0, lam=0.95, critic_lr=1e-5)
     data["executor"] = {"mode": "staged", "weight_sync": "auto", "stall_s": 20,
-                        "resident": {"partition": "", "time_min": 1440}, "update": {"time_min": 30}}
+                        "resident": {"partition": "", "time_min": 1440, "extra": {"exclude": "n3"}},
+                        "update": {"time_min": 30}}
     dropped: list[str] = []
     new = migrate(tomli_w.dumps(data), dropped)
     path = write_experiment("migrated")
@@ -193,11 +194,12 @@ def test_an_older_frozen_config_migrates_to_one_that_loads(write_experiment):
     assert (exp.algorithm.kl.coef, exp.algorithm.kl.estimator, exp.algorithm.critic) == (0.05, "k1", None)
     assert exp.executor.mode == "staged" and exp.executor.update.time_min == 30
     assert sorted(dropped) == ["algorithm.critic_lr", "algorithm.gamma", "algorithm.lam",
-                               "executor.resident.partition",
+                               "executor.resident.extra.exclude", "executor.resident.partition",
                                "executor.resident.time_min", "executor.stall_s", "executor.weight_sync"]
     data["executor"]["mode"] = "resident"  # the same older file of a resident run keeps its resident section
     resident = config.parse(tomllib.loads(migrate(tomli_w.dumps(data))), "old", path.parent)
     assert (resident.executor.resident.time_min, resident.executor.resident.stall_s) == (1440, 20)
+    assert resident.executor.resident.extra == {"exclude": "n3"}
 
 
 def test_a_critic_path_without_a_model_is_refused(write_experiment, tmp_path):
