@@ -61,18 +61,20 @@ class Experiment(Section):
     @model_validator(mode="after")
     def _consistent(self) -> Experiment:
         if self.reward.overlong_buffer > self.generate.max_tokens:
-            raise Rule("reward.overlong_buffer", f"expected at most generate.max_tokens = {self.generate.max_tokens}, "
-                                                 f"got {self.reward.overlong_buffer}")
+            raise Rule("reward.overlong_buffer",
+                       f"expected at most generate.max_tokens = {self.generate.max_tokens}, "
+                       f"got {self.reward.overlong_buffer}")
         ex = self.executor
         if ex.mode == "resident" and ex.kind == "slurm" and (self.update.world_size + 1) % ex.resident.nodes:
             raise Rule("executor.resident.nodes", f"the resident job's {self.update.world_size + 1} tasks "
-                       f"(update.world_size = {self.update.world_size} trainers + 1 generator) must spread evenly "
-                       f"over {ex.resident.nodes} nodes")
+                       f"(update.world_size = {self.update.world_size} trainers + 1 generator) must spread "
+                       f"evenly over {ex.resident.nodes} nodes")
         return self
 
 
 # Keys a resumed run may change; anything else must match the frozen config.
-RESUMABLE_CHANGES = ("run.iterations", "run.eval_every", "executor.", "tracking.enabled", "tracking.plot_every")
+RESUMABLE_CHANGES = ("run.iterations", "run.eval_every", "executor.", "tracking.enabled",
+                     "tracking.plot_every")
 
 
 def sections_of(annotation: Any) -> list[type[BaseModel]]:
@@ -104,8 +106,8 @@ MOVED = {
     **{f"algorithm.{k}": f"algorithm.critic.{k.removeprefix('critic_')}"
        for k in ("critic_path", "critic_lr", "value_clip", "critic_warmup", "gamma", "lam")},
     **{f"executor.{k}": f"executor.resident.{k} (with executor.mode = \"resident\")"
-       for k in ("weight_sync", "sync_bucket_mb", "sync_check_tol", "checkpoint_every", "overlap_commit", "colocate",
-                 "stall_s", "collective_timeout_s")},
+       for k in ("weight_sync", "sync_bucket_mb", "sync_check_tol", "checkpoint_every", "overlap_commit",
+                 "colocate", "stall_s", "collective_timeout_s")},
 }
 
 
@@ -167,7 +169,8 @@ def parse_assignments(items: Iterable[str], source: str = "--set") -> dict[str, 
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"{source} {item!r}: expected KEY=VALUE, e.g. update.lr=1e-5 or run.name=\"try-2\"")
+            raise ConfigError(f"{source} {item!r}: expected KEY=VALUE, e.g. update.lr=1e-5 or "
+                              "run.name=\"try-2\"")
         try:
             out[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
@@ -179,7 +182,8 @@ def _is_section(path: list[str]) -> bool:
     """Whether dotted `path` names a section of the schema (in any variant of a union)."""
     models: list[type[BaseModel]] = [Experiment]
     for name in path:
-        models = [s for m in models if name in m.model_fields for s in sections_of(m.model_fields[name].annotation)]
+        models = [s for m in models if name in m.model_fields
+                  for s in sections_of(m.model_fields[name].annotation)]
     return bool(models)
 
 
@@ -191,12 +195,14 @@ def with_overrides(exp: Experiment, overrides: dict[str, Any], source: str) -> E
         node = data
         for i, p in enumerate(parents):
             if p not in node and _is_section(parents[: i + 1]):
-                node[p] = {}  # an optional section the config leaves out ([algorithm.critic], [executor.resident])
+                # an optional section the config leaves out ([algorithm.critic], [executor.resident])
+                node[p] = {}
             if not isinstance(node.get(p), dict):
                 raise ConfigError(f"{source}: {key}: unknown key")
             node = node[p]
         node[leaf] = value
-    if data["executor"].get("mode") == "staged" and not any(k.startswith("executor.resident.") for k in overrides):
+    if (data["executor"].get("mode") == "staged"
+            and not any(k.startswith("executor.resident.") for k in overrides)):
         data["executor"].pop("resident", None)  # a resident run continued staged
     return parse(data, source, Path.cwd())
 

@@ -72,7 +72,8 @@ def _inline(value: Any) -> str:
     return _toml_value(value)
 
 
-def _table(models: list[type[BaseModel]], section: str, description: str, defaults: BaseModel | None) -> list[str]:
+def _table(models: list[type[BaseModel]], section: str, description: str,
+           defaults: BaseModel | None) -> list[str]:
     """One section (and its nested ones) as a Markdown table of key | default | meaning."""
     out = [f"## [{section}]", ""] + ([_cell(description), ""] if description else [])
     out += ["| key | default | meaning |", "|---|---|---|"]
@@ -107,7 +108,8 @@ def _header(sections: list[str]) -> list[str]:
         "`run.iterations` may grow, not shrink.", "",
         "Datasets, reward functions, reward models and reward services are described in "
         "[data-and-rewards.md](data-and-rewards.md), the algorithms behind `[algorithm]` in "
-        "[algorithms.md](algorithms.md), `[executor]` in [slurm.md](slurm.md) and [resident.md](resident.md).", "",
+        "[algorithms.md](algorithms.md), `[executor]` in [slurm.md](slurm.md) and "
+        "[resident.md](resident.md).", "",
         "Sections: " + " · ".join(toc), "",
     ]
 

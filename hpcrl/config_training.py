@@ -16,10 +16,12 @@ from hpcrl.config_section import PathStr, Rule, Section
 
 class RunConfig(Section):
     name: str = Field("run", description="Run name: the run directory is <runs_root>/<name>.")
-    runs_root: PathStr = Field("runs", description="Directory holding the run directories and the MLflow store.")
+    runs_root: PathStr = Field("runs", description="Directory holding the run directories and the MLflow "
+                               "store.")
     seed: int = Field(0, description="Run seed; each stage's seed derives from (seed, iteration, stage).")
     iterations: int = Field(10, ge=1, description="Number of generate -> score -> update iterations.")
-    eval_every: int = Field(5, ge=0, description="Validate on the test set every N iterations (0: only at the end).")
+    eval_every: int = Field(5, ge=0, description="Validate on the test set every N iterations (0: only at "
+                            "the end).")
 
     @field_validator("name")
     @classmethod
@@ -32,60 +34,95 @@ class RunConfig(Section):
 class ModelConfig(Section):
     path: PathStr = Field(..., description="HF-format model directory (policy version 0 and the reference).")
     tokenizer: PathStr = Field("", description="Tokenizer directory; empty means the model directory.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype for generation and training.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weights dtype for generation and training.")
     max_model_len: int = Field(256, ge=8, description="Longest prompt + response in tokens.")
 
 
 class DataConfig(Section):
-    train: PathStr = Field(..., description="Training prompts: verl-layout parquet, plain parquet, JSONL, or a directory written by datasets' save_to_disk.")
-    test: PathStr = Field("", description="Held-out prompts for validation (same formats); empty: no validation.")
-    train_split: str = Field("train", description="Split of data.train when it is a DatasetDict save_to_disk directory.")
-    test_split: str = Field("test", description="Split of data.test when it is a DatasetDict save_to_disk directory.")
+    train: PathStr = Field(..., description="Training prompts: verl-layout parquet, plain parquet, JSONL, or "
+                           "a directory written by datasets' save_to_disk.")
+    test: PathStr = Field("", description="Held-out prompts for validation (same formats); empty: no "
+                          "validation.")
+    train_split: str = Field("train", description="Split of data.train when it is a DatasetDict save_to_disk "
+                             "directory.")
+    test_split: str = Field("test", description="Split of data.test when it is a DatasetDict save_to_disk "
+                            "directory.")
     prompt_key: str = Field("prompt", description="Column with the prompt: a chat message list or a string.")
-    answer_key: str = Field("reward_model.ground_truth", description="Column (dotted for a struct field) with the reference answer; falls back to `answer`.")
+    answer_key: str = Field("reward_model.ground_truth", description="Column (dotted for a struct field) "
+                            "with the reference answer; falls back to `answer`.")
     max_val_prompts: int = Field(0, ge=0, description="Use at most this many test prompts (0: all).")
-    filter_overlong: bool = Field(True, description="Drop prompts longer than model.max_model_len - generate.max_tokens tokens (the count is reported at submit); false: refuse the run instead.")
+    filter_overlong: bool = Field(True, description="Drop prompts longer than model.max_model_len - "
+                                  "generate.max_tokens tokens (the count is reported at submit); false: "
+                                  "refuse the run instead.")
 
 
 class KLConfig(Section):
-    coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference policy (0: no reference); the adaptive controller's initial value.")
-    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator for the penalty (k1, the log ratio, is the classic per-token reward penalty).")
-    mode: Literal["loss", "reward"] = Field("loss", description="Where the KL penalty goes: a loss term, or (ppo) a per-token reward -coef * KL before GAE.")
-    target: float = Field(0.0, ge=0, description="Target KL per sample (summed over its tokens) of the adaptive KL controller (Ziegler et al. 2019); 0: a fixed coef.")
+    coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference policy (0: no "
+                        "reference); the adaptive controller's initial value.")
+    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator for the penalty (k1, the "
+                                                 "log ratio, is the classic per-token reward penalty).")
+    mode: Literal["loss", "reward"] = Field("loss", description="Where the KL penalty goes: a loss term, or "
+                                            "(ppo) a per-token reward -coef * KL before GAE.")
+    target: float = Field(0.0, ge=0, description="Target KL per sample (summed over its tokens) of the "
+                          "adaptive KL controller (Ziegler et al. 2019); 0: a fixed coef.")
     horizon: float = Field(10000.0, gt=0, description="Horizon (in samples) of the adaptive KL controller.")
 
     @model_validator(mode="after")
     def _controller_needs_a_coef(self) -> KLConfig:
         if self.target > 0 and self.coef <= 0:
-            raise Rule("target", "the adaptive KL controller starts from algorithm.kl.coef, which is 0 (no KL "
-                                 "penalty); set coef > 0")
+            raise Rule("target", "the adaptive KL controller starts from algorithm.kl.coef, which is 0 (no "
+                                 "KL penalty); set coef > 0")
         return self
 
 
 class CriticConfig(Section):
-    path: PathStr = Field("", description="Initial critic: a critic saved by hpcrl (update/critic) or any HF model directory (its backbone, a new value head); empty: the policy's model.path.")
-    lr: float = Field(1e-5, gt=0, description="AdamW learning rate of the critic (weight decay, grad clip, ZeRO stage as in [update]).")
-    value_clip: float = Field(0.2, ge=0, description="A value may move at most this far from the rollout's value before its error stops counting (0: no clipping).")
-    warmup: int = Field(0, ge=0, description="Train only the critic during the first N iterations (the policy does not change).")
+    path: PathStr = Field("", description="Initial critic: a critic saved by hpcrl (update/critic) or any HF "
+                          "model directory (its backbone, a new value head); empty: the policy's model.path.")
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate of the critic (weight decay, grad clip, "
+                      "ZeRO stage as in [update]).")
+    value_clip: float = Field(0.2, ge=0, description="A value may move at most this far from the rollout's "
+                              "value before its error stops counting (0: no clipping).")
+    warmup: int = Field(0, ge=0, description="Train only the critic during the first N iterations (the "
+                        "policy does not change).")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor of GAE.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
 
 
 class AlgorithmConfig(Section):
-    name: str = Field("grpo", description="Advantage estimator: grpo, rloo or reinforce_pp from outcome rewards and groups (the registry in hpcrl/advantages.py); ppo: GAE with a learned critic ([algorithm.critic], hpcrl/critic.py).")
+    name: str = Field("grpo", description="Advantage estimator: grpo, rloo or reinforce_pp from outcome "
+                      "rewards and groups (the registry in hpcrl/advantages.py); ppo: GAE with a learned "
+                      "critic ([algorithm.critic], hpcrl/critic.py).")
     group_size: int = Field(8, ge=1, description="Samples per prompt (the GRPO group; 1 only with ppo).")
     prompts_per_iteration: int = Field(32, ge=1, description="Prompts drawn per iteration.")
-    norm_adv_by_std: bool = Field(True, description="Divide group-centred rewards by the group's std (False: Dr.GRPO); ppo: whiten the token advantages over the batch.")
-    policy_loss: str = Field("ppo_clip", description="Policy loss (the registry in hpcrl/losses.py): ppo_clip, PPO's clipped surrogate with the clip keys below.")
-    clip_ratio: float = Field(0.2, gt=0, description="PPO clip range epsilon (the lower side when clip_ratio_high is set).")
-    clip_ratio_high: float = Field(0.0, ge=0, description="Upper clip range (clip-higher, e.g. 0.28); 0: same as clip_ratio.")
-    dual_clip_c: float = Field(0.0, ge=0, description="Dual-clip constant c > 1 capping the loss of negative advantages; 0: off.")
-    old_logprobs: Literal["recompute", "sampler"] = Field("recompute", description="The old policy's logprobs in the PPO ratio: `recompute` them with the trainer (a forward pass before the first step over every mini-batch but the first, whose own training forward pass gives them while the policy is still the old one, unless kl.mode = \"reward\" needs them before any step), or take the `sampler`'s (vLLM's, verl's bypass mode): one forward pass fewer, and the ratio then corrects for any sampler/trainer mismatch.")
+    norm_adv_by_std: bool = Field(True, description="Divide group-centred rewards by the group's std (False: "
+                                  "Dr.GRPO); ppo: whiten the token advantages over the batch.")
+    policy_loss: str = Field("ppo_clip", description="Policy loss (the registry in hpcrl/losses.py): "
+                             "ppo_clip, PPO's clipped surrogate with the clip keys below.")
+    clip_ratio: float = Field(0.2, gt=0, description="PPO clip range epsilon (the lower side when "
+                              "clip_ratio_high is set).")
+    clip_ratio_high: float = Field(0.0, ge=0, description="Upper clip range (clip-higher, e.g. 0.28); 0: "
+                                   "same as clip_ratio.")
+    dual_clip_c: float = Field(0.0, ge=0, description="Dual-clip constant c > 1 capping the loss of negative "
+                               "advantages; 0: off.")
+    old_logprobs: Literal["recompute", "sampler"] = Field(
+        "recompute", description="The old policy's logprobs in the PPO ratio: `recompute` them with the "
+        "trainer (a forward pass before the first step over every mini-batch but the first, whose own "
+        "training forward pass gives them while the policy is still the old one, unless kl.mode = \"reward\" "
+        "needs them before any step), or take the `sampler`'s (vLLM's, verl's bypass mode): one forward pass "
+        "fewer, and the ratio then corrects for any sampler/trainer mismatch.")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus in the loss (0: none).")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field("token-mean", description="Loss aggregation (hpcrl/losses.py).")
-    dynamic_sampling: bool = Field(False, description="DAPO dynamic sampling (hpcrl/dynamic_sampling.py): sample prompts in rounds and train on groups whose rewards are not all equal, prompts_per_iteration of them.")
-    max_sampling_rounds: int = Field(4, ge=1, description="Dynamic sampling: most sampling rounds per iteration, each drawing prompts_per_iteration new prompts; short of informative groups after the last, groups with equal rewards fill the batch.")
-    kl: KLConfig = Field(KLConfig(), description="The KL penalty to the reference policy and its adaptive controller.")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="Loss aggregation (hpcrl/losses.py).")
+    dynamic_sampling: bool = Field(False, description="DAPO dynamic sampling (hpcrl/dynamic_sampling.py): "
+                                   "sample prompts in rounds and train on groups whose rewards are not all "
+                                   "equal, prompts_per_iteration of them.")
+    max_sampling_rounds: int = Field(4, ge=1, description="Dynamic sampling: most sampling rounds per "
+                                     "iteration, each drawing prompts_per_iteration new prompts; short of "
+                                     "informative groups after the last, groups with equal rewards fill the "
+                                     "batch.")
+    kl: KLConfig = Field(KLConfig(), description="The KL penalty to the reference policy and its adaptive "
+                         "controller.")
     critic: CriticConfig | None = Field(None, description="ppo only: the critic (value model) and GAE.")
 
     @model_validator(mode="after")
@@ -98,7 +135,8 @@ class AlgorithmConfig(Section):
         if self.name != "ppo" and self.critic is not None:
             raise Rule("critic", f"only algorithm.name = \"ppo\" has a critic (name is {self.name!r})")
         if self.name != "ppo" and self.kl.mode == "reward":
-            raise Rule("kl.mode", f"only algorithm.name = \"ppo\" has token-level rewards (name is {self.name!r})")
+            raise Rule("kl.mode", f"only algorithm.name = \"ppo\" has token-level rewards (name is "
+                                  f"{self.name!r})")
         return self
 
     @model_validator(mode="before")
@@ -113,28 +151,37 @@ class GenerateConfig(Section):
     max_tokens: int = Field(64, ge=1, description="Longest response in tokens.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature for training rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
-    kv_cache_gib: float = Field(1.0, gt=0, description="vLLM KV cache size on CPU in GiB (fractions allowed).")
+    kv_cache_gib: float = Field(1.0, gt=0, description="vLLM KV cache size on CPU in GiB (fractions "
+                                "allowed).")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM memory share on a GPU.")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size.")
 
 
 class RewardModelConfig(Section):
-    path: PathStr = Field("", description="HF sequence-classification reward model (num_labels = 1) scoring prompt + response as component `model`; empty: none.")
+    path: PathStr = Field("", description="HF sequence-classification reward model (num_labels = 1) scoring "
+                          "prompt + response as component `model`; empty: none.")
     weight: float = Field(1.0, description="Weight of the reward model's score in the reward.")
     batch_size: int = Field(16, ge=1, description="Samples per forward pass of the reward model.")
-    max_length: int = Field(1024, ge=8, description="Longest prompt + response in reward-model tokens; longer samples lose tokens from the start.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the reward model runs; auto: cuda when the score job sees a GPU, else cpu.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Reward model weights dtype; auto: as saved.")
+    max_length: int = Field(1024, ge=8, description="Longest prompt + response in reward-model tokens; "
+                            "longer samples lose tokens from the start.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the reward model runs; auto: "
+                                                   "cuda when the score job sees a GPU, else cpu.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Reward model weights dtype; auto: as saved.")
 
 
 class RewardHttpConfig(Section):
-    url: str = Field("", description="Reward service that scores batches of samples as component `http` (docs/data-and-rewards.md: the HTTP protocol); empty: none.")
+    url: str = Field("", description="Reward service that scores batches of samples as component `http` "
+                     "(docs/data-and-rewards.md: the HTTP protocol); empty: none.")
     weight: float = Field(1.0, description="Weight of the service's score in the reward.")
     batch_size: int = Field(32, ge=1, description="Samples per request.")
     concurrency: int = Field(4, ge=1, description="Requests in flight at once.")
-    timeout_s: float = Field(60.0, gt=0, description="Seconds to connect, and to wait for a response, per request.")
-    retries: int = Field(3, ge=0, description="Retries of a request that could not connect, timed out or got HTTP 408, 429, 500, 502, 503 or 504; then the score stage fails.")
-    backoff_s: float = Field(1.0, ge=0, description="Wait before the first retry in seconds; doubled for each further retry.")
+    timeout_s: float = Field(60.0, gt=0, description="Seconds to connect, and to wait for a response, per "
+                             "request.")
+    retries: int = Field(3, ge=0, description="Retries of a request that could not connect, timed out or got "
+                         "HTTP 408, 429, 500, 502, 503 or 504; then the score stage fails.")
+    backoff_s: float = Field(1.0, ge=0, description="Wait before the first retry in seconds; doubled for "
+                             "each further retry.")
 
     @field_validator("url")
     @classmethod
@@ -147,23 +194,32 @@ class RewardHttpConfig(Section):
         except ValueError:
             raise ValueError("expected an http:// or https:// URL with a valid port") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("expected an http:// or https:// URL with a host, e.g. http://rm-node:8000/score")
+            raise ValueError("expected an http:// or https:// URL with a host, e.g. "
+                             "http://rm-node:8000/score")
         return v
 
 
 class RewardConfig(Section):
-    functions: list[str] = Field(["hpcrl.rewards:exact_match"], description="Reward functions as `module:function`; the reward is the weighted sum of these and the reward model and service below.")
+    functions: list[str] = Field(["hpcrl.rewards:exact_match"], description="Reward functions as "
+                                 "`module:function`; the reward is the weighted sum of these and the reward "
+                                 "model and service below.")
     weights: list[float] = Field([], description="One weight per function; empty means all 1.")
-    overlong_buffer: int = Field(0, ge=0, description="DAPO overlong penalty: training responses longer than generate.max_tokens minus this many tokens lose reward linearly (0: off).")
-    overlong_penalty_factor: float = Field(1.0, ge=0, description="Penalty at generate.max_tokens for the overlong penalty.")
-    workers: int = Field(0, ge=0, description="Reward worker processes (0: score in the stage's own process).")
-    model: RewardModelConfig = Field(RewardModelConfig(), description="Reward model backend (hpcrl/reward_backends.py).")
-    http: RewardHttpConfig = Field(RewardHttpConfig(), description="HTTP reward service backend (hpcrl/reward_backends.py).")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO overlong penalty: training responses longer than "
+                                 "generate.max_tokens minus this many tokens lose reward linearly (0: off).")
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="Penalty at generate.max_tokens for the "
+                                           "overlong penalty.")
+    workers: int = Field(0, ge=0, description="Reward worker processes (0: score in the stage's own "
+                         "process).")
+    model: RewardModelConfig = Field(RewardModelConfig(), description="Reward model backend "
+                                     "(hpcrl/reward_backends.py).")
+    http: RewardHttpConfig = Field(RewardHttpConfig(), description="HTTP reward service backend "
+                                   "(hpcrl/reward_backends.py).")
 
     @model_validator(mode="after")
     def _sources(self) -> RewardConfig:
         if not (self.functions or self.model.path or self.http.url):
-            raise Rule("", "no reward source: expected reward.functions, reward.model.path or reward.http.url")
+            raise Rule("", "no reward source: expected reward.functions, reward.model.path or "
+                           "reward.http.url")
         if self.weights and len(self.weights) != len(self.functions):
             raise Rule("weights", f"expected {len(self.functions)} weights (one per reward.functions entry), "
                                   f"got {len(self.weights)}")
@@ -174,11 +230,18 @@ class UpdateConfig(Section):
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each iteration's batch.")
-    mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass (the batch is split into this many).")
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass (the batch is split into this "
+                              "many).")
     micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward per rank.")
-    share_prompts: bool = Field(True, description="Run each distinct prompt of a micro-batch once and its responses on its KV cache (a GRPO group's samples share one prompt): the same loss and gradient (to float rounding) for fewer tokens of compute. `false` runs every row whole (for a model whose cache cannot be batch-indexed).")
+    share_prompts: bool = Field(True, description="Run each distinct prompt of a micro-batch once and its "
+                                "responses on its KV cache (a GRPO group's samples share one prompt): the "
+                                "same loss and gradient (to float rounding) for fewer tokens of compute. "
+                                "`false` runs every row whole (for a model whose cache cannot be "
+                                "batch-indexed).")
     grad_clip: float = Field(1.0, ge=0, description="Gradient norm clipping (0: none).")
-    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage. Stages 1 and 2 run as 0 when update.world_size is 1: they partition over data-parallel ranks, and one rank has nothing to partition.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage. Stages 1 and 2 run as 0 "
+                                            "when update.world_size is 1: they partition over data-parallel "
+                                            "ranks, and one rank has nothing to partition.")
     world_size: int = Field(1, ge=1, description="DeepSpeed ranks for the update (processes on this node).")
 
 
@@ -186,4 +249,5 @@ class TrackingConfig(Section):
     enabled: bool = Field(True, description="Log to MLflow.")
     tracking_uri: str = Field("", description="MLflow tracking URI; empty: sqlite:///<runs_root>/mlflow.db.")
     experiment: str = Field("hpcrl", description="MLflow experiment name.")
-    plot_every: int = Field(10, ge=0, description="Log the run's plots to MLflow every N iterations and at the end (0: only at the end).")
+    plot_every: int = Field(10, ge=0, description="Log the run's plots to MLflow every N iterations and at "
+                            "the end (0: only at the end).")

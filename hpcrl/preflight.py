@@ -161,8 +161,8 @@ def check(exp: Experiment, source: str) -> list[str]:
     problems, model_cfg = _check_model(exp)
     tok_problems, tok = _check_tokenizer(exp, model_cfg)
     data_problems, notes = _check_data(exp, tok)
-    problems += (tok_problems + data_problems + _check_algorithm(exp) + _check_critic(exp) + _check_rewards(exp)
-                 + _check_batch(exp) + _check_slurm(exp))
+    problems += (tok_problems + data_problems + _check_algorithm(exp) + _check_critic(exp)
+                 + _check_rewards(exp) + _check_batch(exp) + _check_slurm(exp))
     if problems:
         raise ConfigError(f"{source}: the experiment cannot run:\n  " + "\n  ".join(problems))
     return notes + _dynamic_sampling_notes(exp)

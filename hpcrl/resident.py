@@ -64,9 +64,10 @@ def _sync_setup(exp: Experiment, run: RunDir, plane: ControlPlane, me: str,
     hosts = {me: here, peer: plane.store.get(f"host/{peer}").decode()}
     r = exp.executor.resident
     name = transports.choose(r.weight_sync, hosts["trainer0"], hosts["generator"], _backend() == "nccl")
-    return transports.SyncSetup(name, plane.host, plane.port, engines=1, tp=exp.generate.tensor_parallel_size,
-                                timeout_s=r.collective_timeout_s, bucket_bytes=int(r.sync_bucket_mb * (1 << 20)),
-                                backend=_backend(), directory=str(run.root / "resident" / "weights"))
+    return transports.SyncSetup(name, plane.host, plane.port, engines=1,
+                                tp=exp.generate.tensor_parallel_size, timeout_s=r.collective_timeout_s,
+                                bucket_bytes=int(r.sync_bucket_mb * (1 << 20)), backend=_backend(),
+                                directory=str(run.root / "resident" / "weights"))
 
 
 def _backend() -> str:
@@ -278,7 +279,8 @@ class Generator:
         t0 = time.perf_counter()
         engine_lp = generation.sequence_logprobs(self.llm, self.probe)
         tol = weight_sync.probe_tolerance(self.exp.executor.resident.sync_check_tol, self.exp.model.dtype)
-        metrics = weight_sync.check_probe(engine_lp, reply["probe_new"], reply["probe_old"], tol, version=k + 1)
+        metrics = weight_sync.check_probe(engine_lp, reply["probe_new"], reply["probe_old"], tol,
+                                          version=k + 1)
         metrics["sync/probe_s"] = time.perf_counter() - t0
         nbytes = float(reply["handoff"]["bytes"])
         self.gen.metrics = {**metrics, "sync/seconds": sync_s, "sync/bytes": nbytes,

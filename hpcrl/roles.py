@@ -144,7 +144,8 @@ class ControlPlane:
         try:
             self.store.wait([key], timedelta(seconds=self.timeout_s))
         except RuntimeError as err:
-            raise RoleFailedError(self.failure() or f"{self.layout.name(self.rank)}: nothing came on {key} within "
+            raise RoleFailedError(self.failure() or
+                                  f"{self.layout.name(self.rank)}: nothing came on {key} within "
                                   f"executor.resident.collective_timeout_s = {self.timeout_s:.0f} s") from err
         return self.store.get(key).decode()
 

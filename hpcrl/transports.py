@@ -89,7 +89,8 @@ class Transport(ABC):
     def open_sender(self, store=None, device: str = "cpu") -> None:  # noqa: B027  (an optional hook)
         """Trainer 0, once before the first send (`store`: the run's store, for a process group)."""
 
-    def open_receiver(self, engine: int, tp_rank: int, device: str = "cpu") -> None:  # noqa: B027  (an optional hook)
+    def open_receiver(self, engine: int, tp_rank: int,  # noqa: B027  (an optional hook)
+                      device: str = "cpu") -> None:
         """A vLLM worker, once before the first load."""
 
     @abstractmethod
@@ -129,9 +130,9 @@ def choose(setting: str, trainer_host: str, generator_host: str, cuda: bool) -> 
         same_cpu_node = trainer_host == generator_host and not cuda and hasattr(os, "memfd_create")
         return "shared_memory" if same_cpu_node else "process_group"
     if setting == "shared_memory" and trainer_host != generator_host:
-        raise RuntimeError(f"executor.resident.weight_sync = \"shared_memory\" needs trainer 0 and the generator "
-                           f"on one node; they are on {trainer_host} and {generator_host}: use \"process_group\" "
-                           "or \"auto\"")
+        raise RuntimeError(f"executor.resident.weight_sync = \"shared_memory\" needs trainer 0 and the "
+                           f"generator on one node; they are on {trainer_host} and {generator_host}: use "
+                           "\"process_group\" or \"auto\"")
     return setting
 
 

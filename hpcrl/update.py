@@ -96,7 +96,8 @@ class Update:
         self.engines = {"trainer": actor.engine, **({"critic": actor.critic.engine} if actor.critic else {})}
         groups = self.samples.group_ids.tolist()
         self.steps = [(epoch, mini) for epoch in range(exp.update.ppo_epochs)
-                      for mini in trainer.split_mini_batches(groups, exp.update.mini_batches, ctx.seed, epoch)]
+                      for mini in trainer.split_mini_batches(groups, exp.update.mini_batches,
+                                                             ctx.seed, epoch)]
         self.trains_policy = actor.critic is None or k >= a.critic.warmup
         # Until the first optimizer step the policy is the old one, so the first mini-batch's old
         # logprobs come from its own training forward pass; unless GAE must price the reference KL
@@ -201,7 +202,8 @@ class Update:
         coefficient, and its KL control record."""
         a, samples = self.exp.algorithm, self.samples
         mask = trainer.response_mask([len(r) for r in samples.response_ids])
-        kl_tokens = losses.kl_penalty(trainer.pad_rows(old, mask), trainer.pad_rows(ref, mask), a.kl.estimator)
+        kl_tokens = losses.kl_penalty(trainer.pad_rows(old, mask), trainer.pad_rows(ref, mask),
+                                      a.kl.estimator)
         kl_tokens = kl_tokens * mask
         control = kl_control.step(a.kl, self.coef, kl_control.sequence_kl(kl_tokens, mask), len(samples))
         metrics.update({"critic/kl_coef": self.coef, "actor/reward_kl_penalty": control.kl})

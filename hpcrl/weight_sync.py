@@ -234,8 +234,8 @@ def check_probe(engine: list[list[float]], trainer_new: list[list[float]], train
         stale = " (it matches the previous weights: the sync did not happen)" if diff_old < diff_new else ""
         raise WeightSyncError(f"after loading policy version {version}, vLLM's logprobs on the probe batch "
                               f"differ from the trainer's by {diff_new:.2e} on average, above the tolerance "
-                              f"{tol:.0e} (executor.resident.sync_check_tol){stale}; stopping rather than training "
-                              "on stale or corrupted weights")
+                              f"{tol:.0e} (executor.resident.sync_check_tol){stale}; stopping rather than "
+                              "training on stale or corrupted weights")
     if shift > tol and diff_old <= diff_new:
         raise WeightSyncError(f"after loading policy version {version}, vLLM matches the previous weights "
                               f"({diff_old:.2e}) at least as well as the new ones ({diff_new:.2e}): the sync "

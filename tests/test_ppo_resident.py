@@ -141,7 +141,8 @@ def test_a_continued_run_loads_the_critic_and_the_kl_coefficient(ppo_run, tmp_pa
     assert not original.stage_dir(2, "update").exists()
     before = json.loads((run.stage_dir(1, "update") / "kl_control.json").read_text())
     after = json.loads((run.stage_dir(2, "update") / "kl_control.json").read_text())
-    assert after["kl_coef"] == before["next_kl_coef"] != PPO["kl"]["coef"]  # the controller moved, and resumed
+    # the controller moved, and resumed
+    assert after["kl_coef"] == before["next_kl_coef"] != PPO["kl"]["coef"]
     metrics = commit.read_manifest(run.stage_dir(2, "update"))["metrics"]
     assert all(math.isfinite(metrics[key]) for key in CRITIC_METRICS)
     assert (run.critic_dir(3, "") / "model.safetensors").is_file()

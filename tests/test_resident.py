@@ -86,7 +86,8 @@ def test_weights_streamed_into_vllm_match_the_trainer_and_a_skipped_sync_is_caug
     thread = threading.Thread(target=trainer_side)
     thread.start()
     assert llm.collective_rpc("hpcrl_open_sync", args=(setup.as_dict(), 0)) == [1]
-    received = llm.collective_rpc("hpcrl_load_weights", args=(transports.Handoff("process_group").as_dict(),))[0]
+    received = llm.collective_rpc("hpcrl_load_weights",
+                                  args=(transports.Handoff("process_group").as_dict(),))[0]
     thread.join(timeout=60)
     llm.reset_prefix_cache()
     assert received["bytes"] == sent["bytes"] > 0

@@ -115,7 +115,8 @@ def test_auto_transport_is_shared_memory_on_one_cpu_node_else_a_process_group():
     assert transports.choose("auto", "n1", "n2", cuda=False) == "process_group"
     assert transports.choose("auto", "n1", "n1", cuda=True) == "process_group"
     assert transports.choose("filesystem", "n1", "n1", cuda=False) == "filesystem"
-    with pytest.raises(RuntimeError, match="needs trainer 0 and the generator on one node; they are on n1 and n2"):
+    with pytest.raises(RuntimeError,
+                       match="needs trainer 0 and the generator on one node; they are on n1 and n2"):
         transports.choose("shared_memory", "n1", "n2", cuda=False)
 
 
@@ -137,7 +138,8 @@ def test_each_transport_hands_over_bit_identical_tensors_through_the_interface(n
     receiver.open_receiver(0, 0)
     for scale in (1, 2):  # the second sync rewrites what the first delivered
         handoff = sender.send((k, v * scale) for k, v in state.items())
-        assert handoff.transport == name and handoff.bytes == sum(t.numel() * t.element_size() for t in state.values())
+        assert (handoff.transport == name
+                and handoff.bytes == sum(t.numel() * t.element_size() for t in state.values()))
         got = dict(receiver.receive(transports.Handoff(**handoff.as_dict())))
         assert set(got) == set(state) and all(_raw(got[k]) == _raw(v * scale) for k, v in state.items())
         assert name == "filesystem" or list(got) == list(state)  # safetensors files keep no order

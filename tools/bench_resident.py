@@ -54,8 +54,10 @@ def build_100m(out: Path) -> Path:
 # The modes compared: the staged mode, and the resident mode with each same-node weight transport.
 MODES = {
     "staged": {"executor.mode": "staged"},
-    "resident, shared memory": {"executor.mode": "resident", "executor.resident.weight_sync": "shared_memory"},
-    "resident, process group": {"executor.mode": "resident", "executor.resident.weight_sync": "process_group"},
+    "resident, shared memory": {"executor.mode": "resident",
+                                "executor.resident.weight_sync": "shared_memory"},
+    "resident, process group": {"executor.mode": "resident",
+                                "executor.resident.weight_sync": "process_group"},
 }
 
 
