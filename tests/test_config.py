@@ -210,10 +210,11 @@ def test_a_critic_path_without_a_model_is_refused(write_experiment, tmp_path):
 
 def test_shared_memory_weights_need_one_node(write_experiment):
     def resident(nodes: int) -> dict:
-        return {"kind": "slurm", "mode": "resident", "resident": {"nodes": nodes, "weight_sync": "shared_memory"}}
+        return {"kind": "slurm", "mode": "resident",
+                "resident": {"nodes": nodes, "weight_sync": "shared_memory"}}
 
-    with pytest.raises(ConfigError, match=r"executor\.resident\.weight_sync: \"shared_memory\" needs trainer 0 "
-                                          r"and the generator on one node, but nodes = 2"):
+    with pytest.raises(ConfigError, match=r"executor\.resident\.weight_sync: \"shared_memory\" needs "
+                                          r"trainer 0 and the generator on one node, but nodes = 2"):
         config.load(write_experiment(update={"world_size": 1}, executor=resident(2)))
     exp = config.load(write_experiment(executor=resident(1)))
     assert exp.executor.resident.weight_sync == "shared_memory"
