@@ -165,8 +165,8 @@ def test_killed_generator_is_noticed_by_the_monitor_and_the_run_resumes_staged(w
     """A generator killed mid-run stops the whole job through the trainer's monitor (the message
     names it), not through a collective timeout (collective_timeout_s is 30 min by default, far
     beyond this test's own limit)."""
-    path = write_experiment("kill", run={"iterations": 8, "eval_every": 0},
-                            executor=_resident(checkpoint_every=8))
+    path = write_experiment("kill", run={"iterations": 3, "eval_every": 0},
+                            executor=_resident(checkpoint_every=3))
     exp = config.load(path)
     run = RunDir.at(exp.run_dir)
     proc = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], stdout=subprocess.PIPE,
@@ -186,7 +186,7 @@ def test_killed_generator_is_noticed_by_the_monitor_and_the_run_resumes_staged(w
     with pytest.raises(AssertionError):  # the trainer is gone too: no survivor holds the allocation
         task_pid(run.logs, 0, timeout=1)
 
-    # Continue in the staged mode: iteration 0's update saved no policy (checkpoint_every = 8), so it
+    # Continue in the staged mode: iteration 0's update saved no policy (checkpoint_every = 3), so it
     # is moved aside and redone; nothing committed is overwritten.
     staged = path.with_name("kill-staged.toml")
     spec = tomllib.loads(path.read_text())

@@ -36,11 +36,12 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name: (modules
     "algorithms": (("advantages", "losses", "kl_control"), ("test_algorithms",)),
     "batches": (("batches",), ("test_batches",)),
     "dynamic_sampling": (("dynamic_sampling",), ("test_dynamic_sampling",)),
-    "config": (("config", "config_reference", "runs", "plan"),
-               ("test_config", "test_plan", "test_run_creation", "test_docs")),
+    "config": (("config", "config_section", "config_training", "config_jobs", "config_reference", "runs",
+                "plan", "stage_kinds"),
+               ("test_config", "test_plan", "test_run_creation", "test_docs", "test_structure")),
     "commit": (("commit", "stage"), ("test_commit",)),
     "replay": (("replay",), ("test_replay_verdicts",)),
-    "weight_sync": (("weight_sync",), ("test_weight_sync",)),
+    "weight_sync": (("weight_sync", "transports"), ("test_weight_sync",)),
     "preemption": (("preemption",), ("test_preemption_ranks",)),
 }
 DEFAULT = ("algorithms", "dynamic_sampling", "config")  # fits 30 min on 2 cores; `all` runs every group
