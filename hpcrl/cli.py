@@ -226,11 +226,10 @@ def status(run_dir: Path, verify: bool) -> None:
         click.echo(f"{k:>6}  " + "  ".join(f"{c:<12}" for c in cells) + f"  {reward:<7}  {val}")
     nxt = plan.next_stage(run, exp)
     click.echo("complete" if nxt is None else f"next: iteration {nxt[0]} {nxt[1]}")
-    stop = run.read_run_info().get("stopped")
-    if stop and nxt is not None:
-        where = "the resident job" if stop["stage"] == "resident" else f"stage {stop['stage']}"
-        click.echo(f"STOPPED at {stop['at']}: {where} of iteration {stop['iteration']} failed: "
-                   f"{stop['reason']} (log: {stop['log']}); fix the cause, then `hpcrl resume {run.root}`")
+    from hpcrl import alerts
+
+    for line in alerts.report(run.read_run_info(), run.root, nxt is None):
+        click.echo(line)
     if exp.executor.kind == "slurm" and run.jobs():
         from hpcrl.slurm import job_table
 
@@ -301,6 +300,11 @@ def inspect_command(run_dir: Path, iteration: int | None, fmt: str, samples: int
         run, exp = runs.open_run(run_dir)
         if iteration is None:
             text = run_inspect.render_table(run_inspect.iteration_table(run, exp), exp, fmt)
+            if fmt == "table":  # and what the alerts said
+                from hpcrl import alerts
+
+                complete = plan.next_stage(run, exp) is None
+                text = "\n".join([text, *alerts.report(run.read_run_info(), run.root, complete)])
         else:
             text = run_inspect.render_detail(run_inspect.iteration_detail(run, iteration, samples), fmt)
     except (ConfigError, run_inspect.InspectError) as err:

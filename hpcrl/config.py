@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError, model_validator
 from hpcrl.config_jobs import SBATCH_OPTION, SBATCH_VALUE, ExecutorConfig, ResidentExecutor, StagedExecutor
 from hpcrl.config_section import ConfigError, PathStr, Rule, Section
 from hpcrl.config_training import (
+    AlertsConfig,
     AlgorithmConfig,
     DataConfig,
     GenerateConfig,
@@ -49,6 +50,7 @@ class Experiment(Section):
     update: UpdateConfig = UpdateConfig()
     executor: ExecutorConfig = StagedExecutor()
     tracking: TrackingConfig = TrackingConfig()
+    alerts: AlertsConfig = AlertsConfig()
 
     @property
     def run_dir(self) -> Path:
@@ -74,7 +76,7 @@ class Experiment(Section):
 
 # Keys a resumed run may change; anything else must match the frozen config.
 RESUMABLE_CHANGES = ("run.iterations", "run.eval_every", "executor.", "tracking.enabled",
-                     "tracking.plot_every")
+                     "tracking.plot_every", "alerts.")
 
 
 def sections_of(annotation: Any) -> list[type[BaseModel]]:

@@ -251,3 +251,40 @@ class TrackingConfig(Section):
     experiment: str = Field("hpcrl", description="MLflow experiment name.")
     plot_every: int = Field(10, ge=0, description="Log the run's plots to MLflow every N iterations and at "
                             "the end (0: only at the end).")
+
+
+class AlertsConfig(Section):
+    kl_max: float = Field(
+        0.0, ge=0, description="Alert when the iteration's KL (the one the progress line shows) is above "
+        "this (0: off).")
+    kl_spike: float = Field(
+        10.0, ge=0, description="Alert when the KL is above this many times its median over the last "
+        "`window` iterations (0: off).")
+    entropy_min: float = Field(
+        0.0, ge=0, description="Alert when the policy's mean token entropy (actor/entropy) falls below this "
+        "(entropy collapse; 0: off).")
+    reward_drop: float = Field(
+        0.5, ge=0, description="Alert when the mean training reward falls this far below its median over the "
+        "last `window` iterations (reward collapse; 0: off).")
+    clip_ratio_max: float = Field(
+        0.95, ge=0, le=1, description="Alert when more than this share of the training responses stop at "
+        "generate.max_tokens (1: off).")
+    sync_logp_diff: float = Field(
+        0.0, ge=0, description="Resident: alert when the weight sync's probe difference (sync/logp_diff) is "
+        "above this, below the tolerance that stops the run (0: off).")
+    stall: float = Field(
+        5.0, ge=0, description="Alert when a stage takes this many times its median over the last `window` "
+        "iterations, and a minute more (0: off).")
+    window: int = Field(
+        5, ge=1, description="Iterations in the running medians (a rule with a median waits for this many).")
+    stop: list[Literal["non_finite", "kl_max", "kl_spike", "entropy_min", "reward_drop", "clip_ratio_max",
+                       "sync_logp_diff", "stall"]] = Field(
+        ["non_finite"], description="Rules that stop the run after the stage that fired them (`hpcrl "
+        "resume` continues); the others warn: a line in the progress, `hpcrl status` and `hpcrl inspect`, "
+        "and an MLflow tag. A non-finite metric is always checked.")
+    webhook: str = Field(
+        "", description="URL that receives each alert as a JSON POST ({\"run\", \"iteration\", "
+        "\"stage\", \"rule\", \"message\", \"stops\"}; e.g. a chat channel's incoming webhook); empty: "
+        "none.")
+    webhook_timeout_s: float = Field(
+        5.0, gt=0, description="Seconds before the webhook POST is given up (the run goes on).")

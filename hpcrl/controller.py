@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import submitit
 
-from hpcrl import commit, executors, plan
+from hpcrl import alerts, commit, executors, plan
 from hpcrl.config import Experiment
 from hpcrl.rundir import RunDir, RunLock
 from hpcrl.stage_kinds import GENERATE, KINDS, SCORE, UPDATE
@@ -23,6 +23,10 @@ from hpcrl.tracking import Tracker, stage_metrics
 
 class StageFailedError(RuntimeError):
     pass
+
+
+class AlertStopError(StageFailedError):
+    """A rule in alerts.stop fired: the run stops after the stage that fired it."""
 
 
 # Errors a retry cannot cure: the same inputs give the same failure (non-finite values, a reward
@@ -42,9 +46,7 @@ def iteration_line(exp: Experiment, run: RunDir, k: int) -> str:
     """One line per iteration: reward, validation score, KL, stage times."""
     manifests = {s: commit.read_manifest(run.stage_dir(k, s)) for s in plan.stages_of(exp, k)}
     metrics = {key: v for m in manifests.values() if m for key, v in m["metrics"].items()}
-    a = exp.algorithm
-    kl_key = ("actor/ppo_kl" if a.kl.coef <= 0 else "actor/reward_kl_penalty" if a.kl.mode == "reward"
-              else "actor/kl_loss")
+    kl_key = alerts.kl_metric(exp.algorithm)
     parts = [f"iter {k:>4}/{exp.run.iterations}"]
     for label, key, fmt in (("reward", "critic/score/mean", ".3f"), ("val", "val/score", ".3f"),
                             ("kl", kl_key, ".2e"), ("len", "response_length/mean", ".1f")):
@@ -150,7 +152,7 @@ class Controller:
                     job.cancel()
                 queue.clear()
                 self._failed(head, failures)
-        except KeyboardInterrupt:
+        except BaseException:  # interrupted, or an alert stops the run
             for job in queue:
                 job.cancel()
             raise
@@ -175,7 +177,7 @@ class Controller:
                     if done:
                         break
                     time.sleep(0.5)
-            except KeyboardInterrupt:
+            except BaseException:  # interrupted, or an alert stops the run
                 job.cancel()
                 raise
             pending = plan.pending_stages(self.run, self.exp)
@@ -210,6 +212,7 @@ class Controller:
     def _after_commit(self, tracker: Tracker, k: int, stage: str) -> None:
         manifest = commit.read_manifest(self.run.stage_dir(k, stage))
         tracker.log_metrics(stage_metrics(stage, manifest), step=k)
+        self._check_alerts(tracker, k, stage, manifest)
         if self.exp.executor.kind == "slurm" and manifest.get("job_id"):
             from hpcrl.slurm import lineage
 
@@ -225,6 +228,27 @@ class Controller:
             every = self.exp.tracking.plot_every
             if plan.next_stage(self.run, self.exp) is None or (every and (k + 1) % every == 0):
                 tracker.log_plots(self.run, self.exp)
+
+
+    def _check_alerts(self, tracker: Tracker, k: int, stage: str, manifest: dict) -> None:
+        """Evaluate [alerts] on a committed stage: report each alert; stop on one in alerts.stop."""
+        cfg = self.exp.alerts
+        history = [m for j in range(max(0, k - cfg.window), k)
+                   if (m := commit.read_manifest(self.run.stage_dir(j, stage)))]
+        fired = alerts.evaluate(cfg, alerts.kl_metric(self.exp.algorithm), stage, k, manifest, history)
+        for alert in fired:
+            self.echo(alert.line())
+            self.run.record_alert(alert.as_dict())
+            tracker.set_tags({f"alert/{k}/{stage}/{alert.rule}": alert.message})
+            payload = {"run": self.run.root.name, **alert.as_dict()}
+            if cfg.webhook and (error := alerts.post(cfg.webhook, payload, cfg.webhook_timeout_s)):
+                self.echo(f"alert webhook {cfg.webhook}: not delivered ({error})")
+        stop = next((alert for alert in fired if alert.stops), None)
+        if stop is not None:
+            self.run.record_stop({"iteration": k, "stage": stage, "alert": stop.rule,
+                                  "reason": f"{stop.rule}: {stop.message}"})
+            raise AlertStopError(f"{stop.line()}\nthe run stops here (alerts.stop); fix the cause (or "
+                                 f"[alerts]), then `hpcrl resume {self.run.root}`")
 
 
 class ControllerCall(submitit.helpers.Checkpointable):

@@ -147,6 +147,13 @@ class RunDir:
                                **stop}
         self.write_run_info(info)
 
+    def record_alert(self, alert: dict) -> None:
+        """Append an alert (hpcrl.alerts) to run.json's "alerts"."""
+        info = self.read_run_info()
+        info.setdefault("alerts", []).append(
+            {**alert, "at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")})
+        self.write_run_info(info)
+
     @property
     def jobs_file(self) -> Path:
         return self.root / "jobs.jsonl"

@@ -31,6 +31,7 @@ def run_demo(config: str, tiny_task: Path, runs_root: Path):
     [run_dir] = [p for p in runs_root.iterdir() if p.is_dir() and (p / "run.json").is_file()]
     run = RunDir.at(run_dir)
     exp = load(run.config_path)
+    assert "alerts" not in run.read_run_info() and "ALERT" not in out.stdout  # the default alerts stay quiet
     return exp, inspection.iteration_table(run, exp), out.stdout
 
 
