@@ -50,13 +50,15 @@ def prepare(exp: Experiment, source: str) -> tuple[RunDir, bool]:
     """The run directory of `exp`, created and frozen if new. Returns (run, resumed)."""
     run, frozen = check(exp, source)
     if frozen is not None:
-        changes = [k for k, v in config.flat(exp).items() if config.flat(frozen)[k] != v]
+        old, new = config.flat(frozen), config.flat(exp)
+        # a section may come or go ([executor.resident] when the mode changes)
+        changes = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
         if changes:
             if exp.run.iterations > frozen.run.iterations:
                 _archive_final_validation(run, frozen.run.iterations)
             info = run.read_run_info()
             info.setdefault("config_changes", []).append(
-                {"at": _now(), "keys": {k: config.flat(exp)[k] for k in changes}})
+                {"at": _now(), "keys": {k: new.get(k) for k in changes}})
             _freeze(run, exp)
             run.write_run_info(info)
         return run, True

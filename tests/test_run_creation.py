@@ -80,3 +80,18 @@ def test_code_version_is_git_describe_or_unknown(monkeypatch):
 
     monkeypatch.setattr(subprocess, "run", broken)
     assert runs.code_version() == "unknown"
+
+
+def test_a_run_continues_in_the_other_mode_and_records_the_keys_that_came_and_went(tmp_path):
+    """pins: a staged run resubmitted resident (its [executor.resident] is new) and back."""
+    staged = _exp(tmp_path)
+    runs.prepare(staged, "e.toml")
+    switch = {"executor.mode": "resident", "executor.resident.stall_s": 9.0}
+    resident = config.with_overrides(staged, switch, "e")
+    run, resumed = runs.prepare(resident, "e.toml")
+    assert resumed and config.load(run.config_path).executor.resident.stall_s == 9.0
+    runs.prepare(staged, "e.toml")
+    first, second = (c["keys"] for c in run.read_run_info()["config_changes"])
+    assert first["executor.mode"] == "resident" and first["executor.resident.stall_s"] == 9.0
+    assert second["executor.mode"] == "staged" and second["executor.resident.stall_s"] is None
+    assert config.load(run.config_path).executor.mode == "staged"
