@@ -20,6 +20,9 @@ class RunConfig(Section):
                                "store.")
     seed: int = Field(0, description="Run seed; each stage's seed derives from (seed, iteration, stage).")
     iterations: int = Field(10, ge=1, description="Number of generate -> score -> update iterations.")
+    dir_mode: str = Field(
+        "0750", pattern=r"^0?[0-7]{3}$", description="Permissions (octal) of a new run directory: 0750 lets "
+        "your group read it, 0700 only you.")
     eval_every: int = Field(5, ge=0, description="Validate on the test set every N iterations (0: only at "
                             "the end).")
 

@@ -9,6 +9,7 @@ With dynamic sampling the training prompts are sampled in rounds (hpcrl/dynamic_
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,10 +29,22 @@ def on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def private_dir(path: Path) -> Path:
+    """`path` as a directory only this user can enter (0700); refused when it is a link or another
+    user's (a directory in a shared /tmp that someone created first)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise RuntimeError(f"{path}: the scratch directory is a link or belongs to another user (uid "
+                           f"{st.st_uid}); remove it, or set TMPDIR to a directory of your own")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
 def configure_env(exp: Experiment, scratch: Path | None = None) -> None:
     """Environment vLLM reads at import time, set before `import vllm`: per-user scratch, no usage stats."""
-    scratch = scratch or Path(tempfile.gettempdir()) / f"hpcrl-vllm-{os.getuid()}"
-    scratch.mkdir(parents=True, exist_ok=True)
+    scratch = private_dir(scratch or Path(tempfile.gettempdir()) / f"hpcrl-vllm-{os.getuid()}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_RPC_BASE_PATH", str(scratch / "rpc"))
     os.environ.setdefault("VLLM_CACHE_ROOT", str(scratch / "cache"))

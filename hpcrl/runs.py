@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import getpass
+import os
 import subprocess
 import uuid
 from pathlib import Path
@@ -63,6 +64,7 @@ def prepare(exp: Experiment, source: str) -> tuple[RunDir, bool]:
             run.write_run_info(info)
         return run, True
     run.root.mkdir(parents=True, exist_ok=True)
+    os.chmod(run.root, int(exp.run.dir_mode, 8))
     _freeze(run, exp)
     run.write_run_info({"run_id": uuid.uuid4().hex, "name": exp.run.name, "created": _now(),
                         "code_version": code_version(), "user": getpass.getuser(),

@@ -32,6 +32,15 @@ def stage_metrics(stage: str, manifest: dict) -> dict[str, float]:
     return out
 
 
+def _restrict(uri: str, dir_mode: int) -> None:
+    """The local store (mlflow.db) readable as the run directories are (group, not others)."""
+    import os
+
+    path = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+    if path is not None and path.is_file() and path.stat().st_uid == os.getuid():
+        os.chmod(path, dir_mode & 0o660)
+
+
 class Tracker:
     def __init__(self, run: RunDir, exp: Experiment):
         self.enabled = exp.tracking.enabled
@@ -57,6 +66,7 @@ class Tracker:
             self.client.log_artifact(self.run_id, str(run.config_path))
         else:
             self.client.update_run(self.run_id, status="RUNNING")
+        _restrict(uri, int(exp.run.dir_mode, 8))
 
     def _experiment_id(self, exp: Experiment) -> str:
         found = self.client.get_experiment_by_name(exp.tracking.experiment)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import sqlite3
+import stat
 import subprocess
 import sys
 import time
@@ -71,6 +72,8 @@ def test_mlflow_has_the_metrics_and_artifacts(straight):
     run, _ = straight
     info = run.read_run_info()
     db = Path(info["mlflow_tracking_uri"].removeprefix("sqlite:///"))
+    assert stat.S_IMODE(db.stat().st_mode) & 0o007 == 0  # like the run directory: not for others
+    assert stat.S_IMODE(run.root.stat().st_mode) == 0o750
     con = sqlite3.connect(db)
     keys = {k for (k,) in con.execute("select key from metrics where run_uuid=?", (info["mlflow_run_id"],))}
     for key in ("critic/score/mean", "val/score", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl",

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import getpass
 import json
+import os
 import re
+import stat
 import subprocess
 from pathlib import Path
 
@@ -95,3 +97,35 @@ def test_a_run_continues_in_the_other_mode_and_records_the_keys_that_came_and_we
     assert first["executor.mode"] == "resident" and first["executor.resident.stall_s"] == 9.0
     assert second["executor.mode"] == "staged" and second["executor.resident.stall_s"] is None
     assert config.load(run.config_path).executor.mode == "staged"
+
+
+@pytest.mark.parametrize("mode", ["0750", "0700"])
+def test_a_new_run_directory_is_not_world_readable(tmp_path, mode):
+    old = os.umask(0o022)  # the usual default lets everyone read what is created
+    try:
+        run, _ = runs.prepare(_exp(tmp_path, dir_mode=mode), "e.toml")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(run.root.stat().st_mode) == int(mode, 8)
+    with pytest.raises(ConfigError, match=r"run\.dir_mode: String should match pattern"):
+        config.parse({"run": {"dir_mode": "777x"}, "model": {"path": "m"}, "data": {"train": "t"}}, "e",
+                     tmp_path)
+
+
+def test_the_scratch_directory_is_private_and_never_another_users(tmp_path):
+    from hpcrl.generation import private_dir
+
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o777)
+    os.chmod(loose, 0o777)
+    assert stat.S_IMODE(private_dir(loose).stat().st_mode) == 0o700
+    assert stat.S_IMODE(private_dir(tmp_path / "new").stat().st_mode) == 0o700
+    (tmp_path / "link").symlink_to(loose)
+    with pytest.raises(RuntimeError, match="is a link or belongs to another user"):
+        private_dir(tmp_path / "link")
+    if os.getuid() == 0:  # as root, hand a directory to someone else (another user came first)
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 12345, 12345)
+        with pytest.raises(RuntimeError, match=r"belongs to another user \(uid 12345\)"):
+            private_dir(theirs)
