@@ -179,12 +179,14 @@ class RewardHttpConfig(Section):
     weight: float = Field(1.0, description="Weight of the service's score in the reward.")
     batch_size: int = Field(32, ge=1, description="Samples per request.")
     concurrency: int = Field(4, ge=1, description="Requests in flight at once.")
-    timeout_s: float = Field(60.0, gt=0, description="Seconds to connect, and to wait for a response, per "
-                             "request.")
+    timeout_s: float = Field(60.0, gt=0, description="Seconds a request may take, from connecting to the "
+                             "last byte of the answer, however slowly the service sends it.")
     retries: int = Field(3, ge=0, description="Retries of a request that could not connect, timed out or got "
                          "HTTP 408, 429, 500, 502, 503 or 504; then the score stage fails.")
     backoff_s: float = Field(1.0, ge=0, description="Wait before the first retry in seconds; doubled for "
                              "each further retry.")
+    max_body_mb: float = Field(16.0, gt=0, description="Largest answer in MB; a larger one fails the score "
+                               "stage (not retried).")
 
     @field_validator("url")
     @classmethod

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,10 +203,12 @@ class HttpReward:
     timeout_s: float = 60.0
     retries: int = 3
     backoff_s: float = 1.0
+    max_body_bytes: int = 16 << 20
 
     @classmethod
     def from_config(cls, cfg: RewardHttpConfig) -> HttpReward:
-        return cls(cfg.url, cfg.batch_size, cfg.concurrency, cfg.timeout_s, cfg.retries, cfg.backoff_s)
+        return cls(cfg.url, cfg.batch_size, cfg.concurrency, cfg.timeout_s, cfg.retries, cfg.backoff_s,
+                   int(cfg.max_body_mb * (1 << 20)))
 
     def __call__(self, samples: list[dict]) -> list[Output]:
         import httpx
@@ -238,22 +241,39 @@ class HttpReward:
             if failed.is_set() or (attempt and failed.wait(self.backoff_s * 2 ** (attempt - 1))):
                 raise RewardBackendError(f"{where}: abandoned after another batch failed")
             try:
-                resp = client.post(self.url, json={"samples": batch})
+                status, text = self._post(client, batch)
             except httpx.TimeoutException as err:
                 problem = f"no answer within timeout_s = {self.timeout_s:g} s ({type(err).__name__})"
                 continue
             except httpx.TransportError as err:
                 problem = f"cannot reach the service ({type(err).__name__}: {_first_line(err)})"
                 continue
-            if resp.status_code in RETRY_STATUS:
-                problem = f"HTTP {resp.status_code}: {_excerpt(resp.text)}"
+            except ValueError as err:  # too large
+                raise RewardBackendError(f"{where}: {err} (not retried)") from None
+            if status in RETRY_STATUS:
+                problem = f"HTTP {status}: {_excerpt(text)}"
                 continue
-            if not resp.is_success:
-                raise RewardBackendError(f"{where}: HTTP {resp.status_code}: {_excerpt(resp.text)} "
-                                         "(not retried)")
+            if not 200 <= status < 300:
+                raise RewardBackendError(f"{where}: HTTP {status}: {_excerpt(text)} (not retried)")
             try:
-                return parse_scores(resp.text, len(batch))
+                return parse_scores(text, len(batch))
             except ValueError as err:
                 raise RewardBackendError(f"{where}: {err}") from None
         attempts = f"{self.retries + 1} attempt" + ("s" if self.retries else "")
         raise RewardBackendError(f"{where}: {problem}; gave up after {attempts}")
+
+    def _post(self, client: httpx.Client, batch: list[dict]) -> tuple[int, str]:
+        """(status, body) of one request: over once timeout_s has passed since it began, however the
+        server trickles its answer, and refused beyond max_body_bytes."""
+        import httpx
+
+        deadline = time.monotonic() + self.timeout_s
+        with client.stream("POST", self.url, json={"samples": batch}) as resp:
+            body = bytearray()
+            for chunk in resp.iter_bytes():
+                body += chunk
+                if len(body) > self.max_body_bytes:
+                    raise ValueError(f"the answer is larger than {self.max_body_bytes} bytes")
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout("the answer did not complete in time")
+            return resp.status_code, body.decode(resp.encoding or "utf-8", errors="replace")

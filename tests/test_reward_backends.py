@@ -176,6 +176,7 @@ class Service:
         body = {"ok": {"scores": scores}, "flaky": {"scores": scores}, "slow": {"scores": scores},
                 "plain": {"scores": [len(s["response"]) for s in samples]},
                 "wrong_count": {"scores": scores[1:]}, "nan": {"scores": [float("nan")] * len(samples)},
+                "huge": {"scores": scores, "padding": "x" * 5000}, "trickle": {"scores": scores},
                 "http400": {"error": "no"}}.get(self.mode)
         return (400 if self.mode == "http400" else 200), ("{not json" if body is None else json.dumps(body))
 
@@ -192,6 +193,8 @@ class Service:
                 status, text = service.answer(samples)
                 with service.lock:
                     service.inflight -= 1
+                if service.mode == "trickle":  # each byte in time for a read timeout, the whole far too late
+                    return self._trickle(text.encode())
                 try:
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
@@ -200,6 +203,18 @@ class Service:
                     self.wfile.write(text.encode())
                 except OSError:
                     pass  # the client gave up (the timeout test)
+
+            def _trickle(self, body: bytes):
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    for i in range(len(body)):
+                        self.wfile.write(body[i: i + 1])
+                        self.wfile.flush()
+                        time.sleep(0.05)
+                except OSError:
+                    pass
 
             def log_message(self, *args):
                 pass
@@ -275,6 +290,21 @@ def test_http_timeout_is_named_with_its_url(service):
     assert not service.release.is_set() and service.batch_sizes == [5]  # it gave up on a pending request
     assert str(err.value) == (f"reward service {service.url}: batch 1 of 1 (5 samples): no answer within "
                               "timeout_s = 0.2 s (ReadTimeout); gave up after 1 attempt")
+
+
+def test_http_a_trickling_answer_ends_at_the_deadline_and_a_huge_one_is_refused(service):
+    """Pins: timeout_s per read rather than per request (an answer trickled a byte at a time never
+    trips a read timeout), and answers read whatever their size."""
+    service.mode = "trickle"
+    t0 = time.monotonic()
+    with pytest.raises(RewardBackendError, match=r"no answer within timeout_s = 0.5 s \(ReadTimeout\)"):
+        HttpReward(service.url, timeout_s=0.5, retries=0)(_samples())
+    assert time.monotonic() - t0 < 5  # the whole answer takes about 10 s at this pace
+    service.mode = "huge"
+    with pytest.raises(RewardBackendError, match=r"the answer is larger than 2000 bytes \(not retried\)"):
+        HttpReward(service.url, retries=3, max_body_bytes=2000)(_samples())
+    assert service.batch_sizes[-1:] == [5] and len(service.batch_sizes) == 2
+    assert len(HttpReward(service.url)(_samples())) == 5  # the same answer under the default cap
 
 
 @pytest.mark.parametrize("mode, expected", [
