@@ -30,7 +30,7 @@ import submitit
 
 from hpcrl import plan, transports, weight_sync
 from hpcrl.config import Experiment
-from hpcrl.roles import HEARTBEAT_S, ControlPlane, Layout
+from hpcrl.roles import HEARTBEAT_S, ControlPlane, Layout, job_secret
 from hpcrl.rundir import RunDir
 from hpcrl.stage import OpenStage, run_stage
 from hpcrl.stage_kinds import UPDATE
@@ -60,8 +60,8 @@ def _sync_setup(exp: Experiment, run: RunDir, plane: ControlPlane, me: str,
                 peer: str) -> transports.SyncSetup:
     """The weight sync both ends agree on (hpcrl.transports), from where trainer 0 and the generator run."""
     here = os.environ.get("SLURMD_NODENAME") or os.uname().nodename  # Slurm's node name, else the host's
-    plane.store.set(f"host/{me}", here)
-    hosts = {me: here, peer: plane.store.get(f"host/{peer}").decode()}
+    plane.put(plane.store, f"host/{me}", here)
+    hosts = {me: here, peer: plane.wait_for(f"host/{peer}")}
     r = exp.executor.resident
     name = transports.choose(r.weight_sync, hosts["trainer0"], hosts["generator"], _backend() == "nccl")
     return transports.SyncSetup(name, plane.host, plane.port, engines=1,
@@ -93,8 +93,11 @@ class ResidentCall(submitit.helpers.Checkpointable):
         if world != layout.world_size:
             raise RuntimeError(f"the resident job has {world} tasks; update.world_size = "
                                f"{exp.update.world_size} needs {layout.world_size} (trainers + 1 generator)")
+        job = os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID") or "local"
+        secret = job_secret(run.root / "resident" / "keys" / f"{job}.key")  # only this job's tasks read it
+        r = exp.executor.resident
         plane = ControlPlane(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, layout,
-                             exp.executor.resident.stall_s, exp.executor.resident.collective_timeout_s)
+                             r.stall_s, r.collective_timeout_s, secret)
         plane.start_monitor()
         role, role_rank = layout.role(rank)
         try:

@@ -9,17 +9,29 @@ Every task runs a monitor thread: it beats every second, and ends the process wh
 reported a failure, when a task's heartbeat has stalled (killed, hung node), or when the store
 is gone (rank 0 died); so no task ever waits forever for a dead peer and the allocation is
 released within seconds, with the role, the rank and the error in the log.
+
+The store accepts any client that reaches its port. So every value the plane writes is signed
+(HMAC-SHA256 over its key and body) with a per-job secret that only the job's tasks read (a 0600
+file in the run directory, `job_secret`), and a value without a valid signature is ignored: a
+client without the secret can neither raise the failure flag nor send a command, a reply or a
+signal. (It can still delay the job by overwriting keys, and the trainers' and the weight-sync
+process groups are torch.distributed's own; the probe check catches weights that are not the
+trainer's.)
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
+import secrets
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 HEARTBEAT_S = 1.0
 
@@ -51,12 +63,32 @@ class Layout:
         return f"{role} {r} (task {rank})" if role == "trainer" else f"generator (task {rank})"
 
 
+def job_secret(path: Path) -> bytes:
+    """The job's secret in `path` (0600), created by whichever task comes first (atomically)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not path.exists():
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, secrets.token_bytes(32))
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # publishes a complete file, or another task's was first
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    return path.read_bytes()
+
+
 class ControlPlane:
     def __init__(self, host: str, port: int, rank: int, layout: Layout, stall_s: float = 30.0,
-                 timeout_s: float = 1800.0):
+                 timeout_s: float = 1800.0, secret: bytes = b""):
         import torch.distributed as dist
 
         self.rank, self.layout, self.stall_s, self.timeout_s = rank, layout, stall_s, timeout_s
+        self._secret = secret
         self.store = dist.TCPStore(host, port, layout.world_size, is_master=rank == 0,
                                    timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
         self.host, self.port = host, port
@@ -65,24 +97,45 @@ class ControlPlane:
         self._beats = 0
         self._side, self._side_lock = None, threading.Lock()
 
+    # -- signed values ------------------------------------------------------------------------
+    def _mac(self, key: str, body: str) -> str:
+        return hmac.new(self._secret, f"{key}\0{body}".encode(), hashlib.sha256).hexdigest()
+
+    def put(self, store, key: str, value) -> None:
+        body = json.dumps(value)
+        store.set(key, json.dumps({"body": body, "mac": self._mac(key, body)}))
+
+    def get(self, store, key: str):
+        """The value a task of this job wrote under `key`; None when there is none, or it does not
+        carry this job's signature (another client wrote it)."""
+        if not store.check([key]):
+            return None
+        try:
+            sealed = json.loads(store.get(key))
+            body, mac = sealed["body"], sealed["mac"]
+        except (ValueError, TypeError, KeyError):
+            return None
+        return json.loads(body) if hmac.compare_digest(str(mac), self._mac(key, body)) else None
+
     # -- failure and liveness -------------------------------------------------------------
     def fail(self, error: str, store=None) -> None:
-        """Tell every task that this one failed (first failure wins), from any thread: not over
-        the main connection, which a blocking wait may hold (the monitor passes its own)."""
-        info = json.dumps({"rank": self.rank, "who": self.layout.name(self.rank), "error": error})
+        """Tell every task that this one failed (the earliest failure is the one reported), from
+        any thread: not over the main connection, which a blocking wait may hold (the monitor
+        passes its own)."""
+        info = {"rank": self.rank, "who": self.layout.name(self.rank), "error": error, "at": time.time()}
         try:
-            (store or self._side_store()).compare_set("failed", "", info)
+            self.put(store or self._side_store(), f"failed/{self.rank}", info)
         except Exception:  # noqa: BLE001  (the store may be gone already: nothing more to tell)
             pass
 
     def failure(self) -> str | None:
         return self._failure(self.store)
 
-    @staticmethod
-    def _failure(store) -> str | None:
-        if not store.check(["failed"]):
+    def _failure(self, store) -> str | None:
+        found = [info for r in range(self.layout.world_size) if (info := self.get(store, f"failed/{r}"))]
+        if not found:
             return None
-        info = json.loads(store.get("failed"))
+        info = min(found, key=lambda i: i["at"])
         return f"{info['who']} failed: {info['error']}"
 
     def start_monitor(self) -> None:
@@ -110,14 +163,14 @@ class ControlPlane:
         while not self._stopping.wait(HEARTBEAT_S):
             try:
                 self._beats += 1
-                store.set(f"hb/{self.rank}", str(self._beats))
+                self.put(store, f"hb/{self.rank}", self._beats)
                 failure = self._failure(store)
                 stalled = None
                 now = time.monotonic()
                 for r in range(self.layout.world_size):
-                    if r == self.rank or not store.check([f"hb/{r}"]):
+                    beat = self.get(store, f"hb/{r}") if r != self.rank else None
+                    if beat is None:
                         continue
-                    beat = int(store.get(f"hb/{r}"))
                     if seen.get(r, (None,))[0] != beat:
                         seen[r] = (beat, now)
                     elif now - seen[r][1] > self.stall_s:
@@ -138,37 +191,52 @@ class ControlPlane:
                 os._exit(1)
 
     # -- commands (generator -> trainers) and replies (trainer 0 -> generator) --------------
-    def _wait_key(self, key: str) -> str:
-        """The key's value once set. A failed or dead peer ends this process through the monitor;
-        the timeout bounds a wait on a peer that is alive but stuck."""
-        try:
-            self.store.wait([key], timedelta(seconds=self.timeout_s))
-        except RuntimeError as err:
-            raise RoleFailedError(self.failure() or
-                                  f"{self.layout.name(self.rank)}: nothing came on {key} within "
-                                  f"executor.resident.collective_timeout_s = {self.timeout_s:.0f} s") from err
-        return self.store.get(key).decode()
+    def wait_for(self, key: str):
+        """The key's signed value once set (an unsigned one is reported and waited past). A failed
+        or dead peer ends this process through the monitor; the timeout bounds a wait on a peer
+        that is alive but stuck."""
+        deadline, warned = time.monotonic() + self.timeout_s, False
+        while True:
+            try:
+                self.store.wait([key], timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            except RuntimeError as err:
+                timed_out = self._timed_out(f"nothing came on {key}")
+                raise RoleFailedError(self.failure() or timed_out) from err
+            if (value := self.get(self.store, key)) is not None:
+                return value
+            if not warned:
+                print(f"[resident] {self.layout.name(self.rank)}: ignored a value of {key} without this "
+                      "job's signature (another client wrote to the job's store)", file=sys.stderr,
+                      flush=True)
+                warned = True
+            if time.monotonic() > deadline:
+                raise RoleFailedError(self._timed_out(f"no signed value came on {key}"))
+            time.sleep(0.05)
+
+    def _timed_out(self, what: str) -> str:
+        return (f"{self.layout.name(self.rank)}: {what} within executor.resident.collective_timeout_s = "
+                f"{self.timeout_s:.0f} s")
 
     def send(self, command: dict) -> int:
         self._seq += 1
-        self.store.set(f"cmd/{self._seq}", json.dumps(command))
+        self.put(self.store, f"cmd/{self._seq}", command)
         return self._seq
 
     def receive(self) -> dict:
         self._seq += 1
-        return json.loads(self._wait_key(f"cmd/{self._seq}"))
+        return self.wait_for(f"cmd/{self._seq}")
 
     def reply(self, payload: dict) -> None:
-        self.store.set(f"reply/{self._seq}", json.dumps(payload))
+        self.put(self.store, f"reply/{self._seq}", payload)
 
     def wait_reply(self, seq: int) -> dict:
-        return json.loads(self._wait_key(f"reply/{seq}"))
+        return self.wait_for(f"reply/{seq}")
 
     # -- signals (any thread of any task -> whoever waits) -----------------------------------
     def signal(self, name: str) -> None:
         """Set `name` for `wait_signal`; safe from a thread other than the main one (its own
         connection: the main one may be held by a blocking wait)."""
-        self._side_store().set(f"signal/{name}", "1")
+        self.put(self._side_store(), f"signal/{name}", 1)
 
     def wait_signal(self, name: str) -> None:
-        self._wait_key(f"signal/{name}")
+        self.wait_for(f"signal/{name}")

@@ -255,7 +255,7 @@ def test_signals_and_the_failure_flag_get_through_while_the_main_connection_wait
     plane = ControlPlane("127.0.0.1", free_port(), 0, Layout(1), timeout_s=60)
     waiting = threading.Thread(target=plane.receive, daemon=True)  # blocks on cmd/1 until the test sets it
     waiting.start()
-    while not _inside(waiting, "_wait_key"):
+    while not _inside(waiting, "wait_for"):
         time.sleep(0.01)
     # into the store's wait (a C call, not visible from here): a slow thread can hide the bug, never fail
     time.sleep(0.2)
@@ -267,8 +267,48 @@ def test_signals_and_the_failure_flag_get_through_while_the_main_connection_wait
     sender.join(timeout=50)  # on the main connection they would wait for cmd/1, which only comes below
     assert not sender.is_alive() and waiting.is_alive()
     other = plane._connect(timedelta(seconds=10))
-    assert other.get("signal/committed/0") == b"1"
-    assert b"disk full" in other.get("failed")
-    other.set("cmd/1", "{}")  # ends the wait
+    assert plane.get(other, "signal/committed/0") == 1
+    assert "disk full" in plane._failure(other)
+    plane.put(other, "cmd/1", {})  # ends the wait
     waiting.join(timeout=10)
     assert not waiting.is_alive()
+
+
+def test_a_client_without_the_job_secret_can_neither_stop_nor_steer_the_job(tmp_path):
+    """Another client of the job's store (real TCPStore) forges the failure flag, a command, a
+    reply and a signal, unsigned or signed with another key: every one is ignored, and the tasks
+    still get what the job's own tasks send."""
+    from hpcrl.distributed import free_port
+    from hpcrl.roles import ControlPlane, Layout, RoleFailedError, job_secret
+
+    secret = job_secret(tmp_path / "keys" / "7.key")
+    assert job_secret(tmp_path / "keys" / "7.key") == secret and len(secret) == 32  # one per job
+    assert oct((tmp_path / "keys" / "7.key").stat().st_mode & 0o777) == "0o600"
+    port = free_port()
+    trainer = ControlPlane("127.0.0.1", port, 0, Layout(1), timeout_s=5, secret=secret)
+    generator = ControlPlane("127.0.0.1", port, 1, Layout(1), timeout_s=5, secret=secret)
+    intruder = ControlPlane("127.0.0.1", port, 1, Layout(1), timeout_s=5, secret=b"guessed")
+    raw = trainer._connect(timedelta(seconds=10))
+    raw.set("failed/1", '{"rank": 1, "who": "generator (task 1)", "error": "stop", "at": 0}')
+    intruder.fail("stop now")
+    assert trainer.failure() is None and generator.failure() is None  # the job goes on
+    raw.set("cmd/1", '{"op": "stop"}')
+    intruder.send({"op": "update", "iteration": 99, "checkpoint": False, "probe": []})
+    got = {}
+    receiving = threading.Thread(target=lambda: got.update(cmd=trainer.receive()), daemon=True)
+    receiving.start()
+    time.sleep(0.3)
+    assert receiving.is_alive()  # neither forged command was taken
+    generator.send({"op": "update", "iteration": 0, "checkpoint": True, "probe": [[1, 2]]})
+    receiving.join(timeout=5)
+    assert got["cmd"] == {"op": "update", "iteration": 0, "checkpoint": True, "probe": [[1, 2]]}
+    intruder.put(raw, "reply/1", {"handoff": {"transport": "filesystem", "path": "/attacker/weights"}})
+    trainer.reply({"handoff": {"transport": "shared_memory", "path": "/proc/1/fd/3"}})
+    assert generator.wait_reply(1)["handoff"]["path"] == "/proc/1/fd/3"
+    raw.set("signal/committed/0", "1")
+    with pytest.raises(RoleFailedError, match="no signed value came on signal/committed/0"):
+        generator.wait_signal("committed/0")
+    trainer.signal("committed/0")
+    generator.wait_signal("committed/0")
+    trainer.fail("a real failure")
+    assert generator.failure() == "trainer 0 (task 0) failed: a real failure"
