@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hpcrl import losses, trainer
+from hpcrl import commit, losses, trainer
 from hpcrl.batches import Samples, micro_batches, padded, response_outputs, response_values
 from hpcrl.config import Experiment
 from hpcrl.stage import StageContext
@@ -66,10 +66,13 @@ class Actor:
 
     @classmethod
     def for_version(cls, exp: Experiment, run, version: int, rank: int, world_size: int) -> Actor:
+        """The actor of policy `version` of `run`, its files checked against their manifest first."""
         c = exp.algorithm.critic
         critic_path = run.critic_dir(version, c.path or exp.model.path) if c is not None else None
-        return cls(exp, rank, world_size, run.policy_dir(version, exp.model.path),
-                   run.trainer_state_dir(version), critic_path, run.critic_state_dir(version))
+        state = run.trainer_state_dir(version)
+        return cls(exp, rank, world_size, commit.verified(run.policy_dir(version, exp.model.path)),
+                   state and commit.verified(state), critic_path and commit.verified(critic_path),
+                   run.critic_state_dir(version))
 
     def train_step(self, samples: Samples, mini: list[int], inputs: StepInputs) -> dict[str, float]:
         """One optimizer step of the policy on mini-batch `mini`; its statistics (global token means).

@@ -23,8 +23,6 @@ import pyarrow.parquet as pq
 from hpcrl import schemas
 
 MANIFEST = "_COMMIT.json"
-# Large binary state that is not checksummed (DeepSpeed optimizer shards).
-UNHASHED_DIRS = ("trainer",)
 
 
 class AlreadyCommittedError(RuntimeError):
@@ -77,7 +75,7 @@ def _checksums(root: Path) -> dict[str, dict]:
     out = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = path.relative_to(root)
-        if rel.parts[0] in UNHASHED_DIRS or rel.name == MANIFEST:
+        if rel.name == MANIFEST:
             continue
         out[str(rel)] = {"bytes": path.stat().st_size, "sha256": file_digest(path).split(":", 1)[1]}
     return out
@@ -144,27 +142,47 @@ def commit(stage_dir: Path, writer: StageWriter, manifest: dict) -> dict:
     return full
 
 
-def verify(stage_dir: Path) -> list[str]:
+def verify(stage_dir: Path, under: str | None = None) -> list[str]:
     """Problems with a committed output (missing or changed files, or inputs that are not the
-    committed outputs it was computed from), empty when it is sound."""
+    committed outputs it was computed from), empty when it is sound; with `under`, only its files
+    in that subdirectory."""
     manifest = read_manifest(stage_dir)
     if manifest is None:
         return [f"{stage_dir}: not committed (no {MANIFEST})"]
     problems = []
-    for name, digest in manifest.get("inputs", {}).items():  # "generate@iter_000003": digest of its manifest
+    # "generate@iter_000003": the digest of that input's manifest
+    for name, digest in (manifest.get("inputs", {}) if under is None else {}).items():
         stage, iteration_dir = name.split("@", 1)
         source = stage_dir.parent.parent / iteration_dir / stage
         if not is_committed(source):
             problems.append(f"{stage_dir}: its input {source} is not committed")
         elif manifest_digest(source) != digest:
             problems.append(f"{stage_dir}: computed from another {source} than the one committed there now")
-    for rel, meta in manifest["files"].items():
+    files = {rel: meta for rel, meta in manifest["files"].items()
+             if under is None or rel.startswith(f"{under}/")}
+    if under is not None and not files:
+        problems.append(f"{stage_dir / under}: no files of it are listed in {MANIFEST}")
+    for rel, meta in files.items():
         path = stage_dir / rel
         if not path.is_file():
             problems.append(f"{path}: missing (listed in {MANIFEST})")
         elif path.stat().st_size != meta["bytes"] or file_digest(path).split(":", 1)[1] != meta["sha256"]:
             problems.append(f"{path}: checksum mismatch with {MANIFEST}")
     return problems
+
+
+def verified(path: Path) -> Path:
+    """`path` (a directory of a committed stage output, like a policy version or the trainer state),
+    once its files match the manifest; a path outside any stage output (the base model) as is.
+    Nothing of a run directory is loaded (and DeepSpeed's state unpickled) before this."""
+    path = Path(path)
+    stage_dir = next((d for d in path.parents if (d / MANIFEST).is_file()), None)
+    if stage_dir is None:
+        return path
+    problems = verify(stage_dir, str(path.relative_to(stage_dir)))
+    if problems:
+        raise CorruptOutputError("; ".join(problems))
+    return path
 
 
 def read_table(stage_dir: Path, name: str, columns: list[str] | None = None, check: bool = True) -> pa.Table:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from hpcrl import data, dynamic_sampling, plan, scoring
+from hpcrl import commit, data, dynamic_sampling, plan, scoring
 from hpcrl.config import Experiment
 from hpcrl.stage import Stage, StageContext
 from hpcrl.stage_kinds import GENERATE, UPDATE
@@ -228,8 +228,8 @@ class GenerateStage(Stage):
 
     def setup(self, version: int, seed: int) -> None:
         extension = "hpcrl.vllm_ext.WeightReceiver" if self.resident else None
-        self.llm = make_engine(self.exp, self.rundir.policy_dir(version, self.exp.model.path), seed,
-                               extension)
+        policy = commit.verified(self.rundir.policy_dir(version, self.exp.model.path))
+        self.llm = make_engine(self.exp, policy, seed, extension)
         self.version = version
 
     def run(self, ctx: StageContext) -> None:

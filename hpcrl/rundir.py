@@ -81,7 +81,7 @@ class RunDir:
         return self.stage_dir(version - 1, UPDATE) / "critic"
 
     def critic_state_dir(self, version: int) -> Path | None:
-        """The critic's DeepSpeed state (inside the trainer state, not checksummed); None for version 0."""
+        """The critic's DeepSpeed state (inside the trainer state); None for version 0."""
         state = self.trainer_state_dir(version)
         return None if state is None else state / "critic"
 

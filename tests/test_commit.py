@@ -270,3 +270,28 @@ def test_verify_names_an_input_that_is_not_the_one_a_stage_was_computed_from(tmp
     shutil.rmtree(gen)
     _commit(gen, _scores(4))
     assert commit.verify(score) == [f"{score}: computed from another {gen} than the one committed there now"]
+
+
+def test_the_trainer_state_is_checksummed_and_checked_before_anything_loads_it(tmp_path):
+    """Pins: the DeepSpeed state (which loading unpickles) outside the manifest's checksums, and a
+    policy or trainer state loaded without checking them."""
+    d = tmp_path / "iter_000000" / "update"
+    w = commit.StageWriter(commit.fresh_temp_dir(d))
+    files = {"policy/model.safetensors": b"weights", "trainer/state/mp_rank_00_model_states.pt": b"ds",
+             "trainer/critic/state/optim.pt": b"adam"}
+    for rel, data in files.items():
+        (w.dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (w.dir / rel).write_bytes(data)
+    manifest = commit.commit(d, w, {"stage": "update"})
+    assert "trainer/state/mp_rank_00_model_states.pt" in manifest["files"]
+    assert commit.verified(d / "trainer") == d / "trainer" and commit.verified(d / "policy") == d / "policy"
+    assert commit.verified(tmp_path / "base-model") == tmp_path / "base-model"  # not a stage output: as is
+    (d / "trainer" / "critic" / "state" / "optim.pt").write_bytes(b"evil")
+    with pytest.raises(commit.CorruptOutputError, match=r"critic/state/optim\.pt: checksum mismatch"):
+        commit.verified(d / "trainer")
+    assert commit.verified(d / "policy") == d / "policy"  # only what is loaded is checked
+    (d / "policy" / "model.safetensors").unlink()
+    with pytest.raises(commit.CorruptOutputError, match=r"policy/model\.safetensors: missing"):
+        commit.verified(d / "policy")
+    with pytest.raises(commit.CorruptOutputError, match=r"critic: no files of it are listed"):
+        commit.verified(d / "critic")
