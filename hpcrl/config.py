@@ -159,7 +159,10 @@ def load(path: str | Path) -> Experiment:
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not valid UTF-8 (byte {err.start}): a config file is UTF-8 TOML"
+                          ) from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML: {err}") from None
     return parse(data, str(path), path.resolve().parent)

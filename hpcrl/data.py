@@ -199,10 +199,13 @@ def prompt_lengths(exp: Experiment, split: str, table: pa.Table, tokenizer=None)
 
         tokenizer = AutoTokenizer.from_pretrained(exp.tokenizer_path)
     lengths = _measure(table["prompt"].to_pylist(), tokenizer, path)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-    pq.write_table(pa.table({"prompt_tokens": lengths}), tmp)
-    tmp.replace(cache)
+    try:  # a cache: a runs_root that cannot hold it (preflight names it) only costs a new count
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+        pq.write_table(pa.table({"prompt_tokens": lengths}), tmp)
+        tmp.replace(cache)
+    except OSError:
+        pass
     return lengths
 
 

@@ -6,6 +6,7 @@ and what was expected, so no compute is spent on a run that cannot work.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from hpcrl import data, rewards
@@ -155,10 +156,22 @@ def _check_slurm(exp: Experiment) -> list[str]:
     return problems
 
 
+def _check_runs_root(exp: Experiment) -> list[str]:
+    """run.runs_root: a directory this user can write in, or one that can be created."""
+    root = Path(exp.run.runs_root)
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    if not existing.is_dir():
+        return [f"run.runs_root: {root}: {existing} is not a directory"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"run.runs_root: {root}: {existing} is not writable by this user"]
+    return []
+
+
 def check(exp: Experiment, source: str) -> list[str]:
     """Raise ConfigError listing every problem found in the experiment `source`; return notes
     for the user (prompts dropped by the length filter)."""
     problems, model_cfg = _check_model(exp)
+    problems += _check_runs_root(exp)
     tok_problems, tok = _check_tokenizer(exp, model_cfg)
     data_problems, notes = _check_data(exp, tok)
     problems += (tok_problems + data_problems + _check_algorithm(exp) + _check_critic(exp)
