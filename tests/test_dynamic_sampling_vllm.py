@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def test_dynamic_sampling_adds_rounds_and_the_update_trains_on_the_kept_groups(write_experiment):
-    import stages.generate
+    from hpcrl.generation import GenerateStage
 
     # Groups of 2 at policy v0 are often both right or both wrong (exact match near 0.4), so
     # round 0's 8 prompts leave the batch short of informative groups.
@@ -21,7 +21,7 @@ def test_dynamic_sampling_adds_rounds_and_the_update_trains_on_the_kept_groups(w
         algorithm={"group_size": 2, "prompts_per_iteration": 8, "dynamic_sampling": True,
                    "max_sampling_rounds": 4}))
     run, _ = runs.prepare(exp, "dapo")
-    gen = run_stage("generate", run.root, 0, stages.generate.body)
+    gen = run_stage("generate", run.root, 0, lambda ctx: GenerateStage(ctx.exp, ctx.run).job(ctx))
     run_stage("score", run.root, 0, scoring.score_stage)
     job = executors.LocalExecutor(run, exp).submit("update", 0)
     job.job.results()
