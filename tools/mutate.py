@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LINKED = ("hpcrl", "stages", "tests", "tools", "configs", "README.md")  # what the tests read
+LINKED = ("hpcrl", "stages", "tests", "tools", "configs", "docs", "README.md")  # what the tests read
 GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name: (modules, test files)
     "algorithms": (("advantages", "losses", "kl_control"), ("test_algorithms",)),
     "batches": (("batches",), ("test_batches",)),
