@@ -10,17 +10,14 @@ from pathlib import Path
 import click
 
 from hpcrl import commit, config, plan
+from hpcrl.cli_errors import Main
+from hpcrl.cli_errors import fail as _fail
 from hpcrl.config import ConfigError
 from hpcrl.rundir import RunDir, RunLockedError
 from hpcrl.stage_kinds import ORDER
 
 
-def _fail(message: str, code: int = 2) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(code)
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """hpcrl: RL post-training of language models as a Slurm batch workflow."""
 
@@ -97,7 +94,16 @@ def submit(experiment: Path, foreground: bool, dry_run: bool, sets: tuple[str, .
     if exp.executor.kind == "slurm" and not foreground:
         from hpcrl.controller import submit_controller
 
-        job_id = submit_controller(run, exp)
+        try:
+            job_id = submit_controller(run, exp)
+        except Exception as err:  # noqa: BLE001 - sbatch's refusal, in whatever form submitit raises it
+            from hpcrl import runs
+
+            left = "the existing run is left as it was" if resumed else "no run was created"
+            if not resumed:
+                runs.discard_new(run)
+            _fail(f"could not submit the controller job ({type(err).__name__}: "
+                  f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}); {left}", 1)
         click.echo(f"submitted the controller as Slurm job {job_id}\nrun directory: {run.root}\n"
                    f"follow it:  hpcrl status {run.root}    (logs: {run.logs}/{job_id}/)\n"
                    f"cancel it:  hpcrl cancel {run.root}")

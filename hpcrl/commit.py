@@ -37,9 +37,23 @@ def is_committed(stage_dir: Path) -> bool:
     return (stage_dir / MANIFEST).is_file()
 
 
+def read_json_object(path: Path, hint: str = "restore it from a backup, or move the stage directory "
+                     "aside to run the stage again") -> dict:
+    """A JSON object file of the run directory (a manifest, run.json); CorruptOutputError naming the
+    file and what to do (`hint`) when it is not one."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CorruptOutputError(f"{path}: damaged, not valid JSON ({err}); {hint}") from None
+    if not isinstance(value, dict):
+        raise CorruptOutputError(f"{path}: damaged, expected a JSON object, found a {type(value).__name__}; "
+                                 f"{hint}")
+    return value
+
+
 def read_manifest(stage_dir: Path) -> dict | None:
     path = stage_dir / MANIFEST
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json_object(path) if path.is_file() else None
 
 
 def file_digest(path: Path) -> str:

@@ -31,6 +31,8 @@ class RunConfig(Section):
     def _plain_name(cls, v: str) -> str:
         if not v or "/" in v or v.startswith("."):
             raise ValueError("a run name is a plain directory name (no '/', not starting with '.')")
+        if len(v.encode()) > 200:
+            raise ValueError(f"a run name is at most 200 bytes (it names directories; got {len(v.encode())})")
         return v
 
 

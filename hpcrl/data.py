@@ -87,14 +87,27 @@ def _column(table: pa.Table, key: str) -> pa.Array | None:
     return col
 
 
+def _chat_json(msgs: list[dict] | None, i: int, path: Path, key: str) -> str:
+    if msgs is None:
+        raise DatasetError(f"{path}: column {key!r}: prompt {i} is null; expected a list of chat messages")
+    for j, m in enumerate(msgs):
+        if m is None or m["role"] is None or m["content"] is None:
+            raise DatasetError(f"{path}: column {key!r}: prompt {i}: message {j} has no content or role; "
+                               "expected {role, content} strings")
+    return json.dumps([{"role": m["role"], "content": m["content"]} for m in msgs])
+
+
 def _prompt_strings(col: pa.Array, path: Path, key: str) -> list[str]:
+    if col.null_count and not pa.types.is_list(col.type) and not pa.types.is_large_list(col.type):
+        first = col.is_null().to_pylist().index(True)
+        raise DatasetError(f"{path}: column {key!r}: prompt {first} is null ({col.null_count} null prompts); "
+                           "expected a prompt in every row")
     if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
         return col.to_pylist()
     if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
         value = col.type.value_type
         if pa.types.is_struct(value) and {"role", "content"} <= {f.name for f in value}:
-            return [json.dumps([{"role": m["role"], "content": m["content"]} for m in msgs])
-                    for msgs in col.to_pylist()]
+            return [_chat_json(msgs, i, path, key) for i, msgs in enumerate(col.to_pylist())]
     raise DatasetError(f"{path}: column {key!r} has type {col.type}; expected a string or a chat message "
                        "list (list of {role, content})")
 

@@ -5,26 +5,48 @@ and what was expected, so no compute is spent on a run that cannot work.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from hpcrl import data, rewards
+from hpcrl import data, model_check, rewards
 from hpcrl.config import ConfigError, Experiment
 from hpcrl.stage_kinds import ORDER
 
+# Files that hold a tokenizer's vocabulary (without one, transformers builds an empty tokenizer).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt",
+                   "tekken.json")
+
 
 def _check_model(exp: Experiment) -> tuple[list[str], dict | None]:
-    cfg_file = Path(exp.model.path) / "config.json"
-    if not cfg_file.is_file():
-        return [f"model.path: {exp.model.path}: not an HF model directory (no config.json)"], None
-    return [], json.loads(cfg_file.read_text())
+    """config.json, the weights (present, complete, matching their index) and the limits on them."""
+    problems, cfg = model_check.read_config(exp.model.path, "model.path")
+    if cfg is None:
+        return problems, None
+    problems, shapes = model_check.weight_shapes(exp.model.path, "model.path")
+    return problems + model_check.limit_problems(cfg, shapes, exp.model.max_model_len, exp.model.path), cfg
 
 
 def _check_critic(exp: Experiment) -> list[str]:
     path = exp.algorithm.critic.path if exp.algorithm.critic is not None else ""
-    if path and not (Path(path) / "config.json").is_file():
-        return [f"algorithm.critic.path: {path}: not an HF model directory (no config.json)"]
+    if not path:
+        return []
+    problems, cfg = model_check.read_config(path, "algorithm.critic.path")
+    return problems if cfg is None else model_check.weight_shapes(path, "algorithm.critic.path")[0]
+
+
+def _check_memory(exp: Experiment) -> list[str]:
+    """The CPU KV cache (generate.kv_cache_gib) within the memory of the node that will hold it."""
+    if exp.executor.kind == "slurm":
+        res = exp.executor.resident if exp.executor.mode == "resident" else exp.executor.generate
+        if res.gpus_per_node or not res.mem_gb:
+            return []
+        limit, where = res.mem_gb * 1e9 / (1 << 30), f"the job's memory ({res.mem_gb} GB per node)"
+    else:
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+        where = f"this machine's memory ({limit:.1f} GiB)"
+    if exp.generate.kv_cache_gib >= limit:
+        return [f"generate.kv_cache_gib: {exp.generate.kv_cache_gib} GiB of KV cache does not fit in "
+                f"{where}; expected a smaller cache, leaving room for the model and the process"]
     return []
 
 
@@ -47,6 +69,9 @@ def _check_tokenizer(exp: Experiment, model_cfg: dict | None):
     from transformers import AutoTokenizer
 
     key = "model.tokenizer" if exp.model.tokenizer else "model.path"
+    if not any((Path(exp.tokenizer_path) / name).is_file() for name in TOKENIZER_FILES):
+        return [f"{key}: {exp.tokenizer_path}: no tokenizer files (expected one of "
+                f"{', '.join(TOKENIZER_FILES)}); set model.tokenizer to a tokenizer's directory"], None
     try:
         tok = AutoTokenizer.from_pretrained(exp.tokenizer_path)
     except (OSError, ValueError) as err:
@@ -172,10 +197,12 @@ def check(exp: Experiment, source: str) -> list[str]:
     for the user (prompts dropped by the length filter)."""
     problems, model_cfg = _check_model(exp)
     problems += _check_runs_root(exp)
-    tok_problems, tok = _check_tokenizer(exp, model_cfg)
+    # AutoTokenizer reads the model's config.json too: its problem is reported already
+    tok_problems, tok = ([], None) if model_cfg is None and not exp.model.tokenizer else \
+        _check_tokenizer(exp, model_cfg)
     data_problems, notes = _check_data(exp, tok)
     problems += (tok_problems + data_problems + _check_algorithm(exp) + _check_critic(exp)
-                 + _check_rewards(exp) + _check_batch(exp) + _check_slurm(exp))
+                 + _check_rewards(exp) + _check_batch(exp) + _check_slurm(exp) + _check_memory(exp))
     if problems:
         raise ConfigError(f"{source}: the experiment cannot run:\n  " + "\n  ".join(problems))
     return notes + _dynamic_sampling_notes(exp)

@@ -87,6 +87,9 @@ def load(name: str) -> RewardFn:
     except ImportError as err:
         raise RewardLoadError(f"reward function {name!r}: cannot import module {module_name!r}: "
                               f"{err}") from None
+    except Exception as err:  # noqa: BLE001 - the user's module, whatever it raises
+        raise RewardLoadError(f"reward function {name!r}: importing {module_name} raised "
+                              f"{type(err).__name__}: {err}") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise RewardLoadError(f"reward function {name!r}: module {module_name!r} has no function {fn_name!r}")

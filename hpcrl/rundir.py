@@ -128,7 +128,10 @@ class RunDir:
         return link
 
     def read_run_info(self) -> dict:
-        return json.loads(self.run_file.read_text()) if self.run_file.exists() else {}
+        from hpcrl.commit import read_json_object
+
+        return read_json_object(self.run_file, "restore it from a backup (it holds the run's ids and "
+                                "history)") if self.run_file.exists() else {}
 
     def write_run_info(self, info: dict) -> None:
         tmp = self.run_file.with_suffix(".json.tmp")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import getpass
 import os
+import shutil
 import subprocess
 import uuid
 from pathlib import Path
@@ -34,6 +35,9 @@ def check(exp: Experiment, source: str) -> tuple[RunDir, Experiment | None]:
     when the run exists). Raises ConfigError for a change a resumed run may not take."""
     run = RunDir.at(exp.run_dir)
     if not run.config_path.is_file():
+        if run.root.is_dir() and any(run.root.iterdir()):
+            raise ConfigError(f"{source}: run.name: {run.root} exists and is not an hpcrl run (no "
+                              f"{run.config_path.name}); expected a new name, or the directory of a run")
         return run, None
     frozen = config.load(run.config_path)
     conflicts = config.resume_conflicts(frozen, exp)
@@ -64,12 +68,27 @@ def prepare(exp: Experiment, source: str) -> tuple[RunDir, bool]:
             run.write_run_info(info)
         return run, True
     run.root.mkdir(parents=True, exist_ok=True)
-    os.chmod(run.root, int(exp.run.dir_mode, 8))
-    _freeze(run, exp)
-    run.write_run_info({"run_id": uuid.uuid4().hex, "name": exp.run.name, "created": _now(),
-                        "code_version": code_version(), "user": getpass.getuser(),
-                        "source": str(Path(source).resolve())})
+    try:
+        os.chmod(run.root, int(exp.run.dir_mode, 8))
+        _freeze(run, exp)
+        run.write_run_info({"run_id": uuid.uuid4().hex, "name": exp.run.name, "created": _now(),
+                            "code_version": code_version(), "user": getpass.getuser(),
+                            "source": str(Path(source).resolve())})
+    except BaseException:  # a full disk, an interrupt: no half-made run is left to be adopted later
+        discard_new(run)
+        raise
     return run, False
+
+
+def discard_new(run: RunDir) -> None:
+    """Undo `prepare` of a new run whose first submission failed: remove the files it wrote, and the
+    directory when nothing else is in it (nothing of the user's is removed)."""
+    for path in (run.config_path, run.run_file, run.jobs_file):
+        path.unlink(missing_ok=True)
+    if run.logs.is_dir():
+        shutil.rmtree(run.logs)
+    if not any(run.root.iterdir()):
+        run.root.rmdir()
 
 
 def _archive_final_validation(run: RunDir, old_iterations: int) -> None:

@@ -115,6 +115,7 @@ def test_a_reward_that_is_not_a_finite_number_is_refused_naming_the_function_and
 BAD_CONFIGS = [  # (sections written over the test experiment, what the error says)
     ({"run": {"iterations": 0}}, "run.iterations: Input should be greater than or equal to 1"),
     ({"run": {"name": "../elsewhere"}}, "run.name: Value error, a run name is a plain directory name"),
+    ({"run": {"name": "r" * 201}}, "run.name: Value error, a run name is at most 200 bytes"),
     ({"run": {"dir_mode": "0999"}}, "run.dir_mode: String should match pattern"),
     ({"algorithm": {"name": "ppoo"}}, "algorithm.name: 'ppoo' is not a registered advantage estimator"),
     ({"algorithm": {"policy_loss": "gspo"}}, "algorithm.policy_loss: 'gspo' is not a registered policy loss"),
