@@ -156,6 +156,22 @@ def commit(stage_dir: Path, writer: StageWriter, manifest: dict) -> dict:
     return full
 
 
+def lineage(stage_dir: Path, manifest: dict | None = None) -> list[str]:
+    """Problems with the inputs a committed output records: each must be committed, and be the
+    output it was computed from (the digest of its manifest). Reads manifests only: cheap."""
+    manifest = read_manifest(stage_dir) if manifest is None else manifest
+    problems = []
+    # "generate@iter_000003": the digest of that input's manifest
+    for name, digest in (manifest or {}).get("inputs", {}).items():
+        stage, iteration_dir = name.split("@", 1)
+        source = stage_dir.parent.parent / iteration_dir / stage
+        if not is_committed(source):
+            problems.append(f"{stage_dir}: its input {source} is not committed")
+        elif manifest_digest(source) != digest:
+            problems.append(f"{stage_dir}: computed from another {source} than the one committed there now")
+    return problems
+
+
 def verify(stage_dir: Path, under: str | None = None) -> list[str]:
     """Problems with a committed output (missing or changed files, or inputs that are not the
     committed outputs it was computed from), empty when it is sound; with `under`, only its files
@@ -163,15 +179,7 @@ def verify(stage_dir: Path, under: str | None = None) -> list[str]:
     manifest = read_manifest(stage_dir)
     if manifest is None:
         return [f"{stage_dir}: not committed (no {MANIFEST})"]
-    problems = []
-    # "generate@iter_000003": the digest of that input's manifest
-    for name, digest in (manifest.get("inputs", {}) if under is None else {}).items():
-        stage, iteration_dir = name.split("@", 1)
-        source = stage_dir.parent.parent / iteration_dir / stage
-        if not is_committed(source):
-            problems.append(f"{stage_dir}: its input {source} is not committed")
-        elif manifest_digest(source) != digest:
-            problems.append(f"{stage_dir}: computed from another {source} than the one committed there now")
+    problems = lineage(stage_dir, manifest) if under is None else []
     files = {rel: meta for rel, meta in manifest["files"].items()
              if under is None or rel.startswith(f"{under}/")}
     if under is not None and not files:

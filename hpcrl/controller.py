@@ -17,7 +17,7 @@ import submitit
 from hpcrl import alerts, commit, executors, plan
 from hpcrl.config import Experiment
 from hpcrl.rundir import RunDir, RunLock
-from hpcrl.stage_kinds import GENERATE, KINDS, SCORE, UPDATE
+from hpcrl.stage_kinds import GENERATE, KINDS, ORDER, SCORE, UPDATE
 from hpcrl.tracking import Tracker, stage_metrics
 
 
@@ -105,14 +105,15 @@ class Controller:
 
     def run_all(self) -> None:
         with RunLock(self.run):
-            tracker = Tracker(self.run, self.exp)
-            executor = executors.make(self.run, self.exp)
-            status = "FAILED"
-            self.run.record_stop(None)  # a new attempt at the run
             for moved in self.run.rollback():
                 self.echo(f"moved aside {moved.name}: it depends on a policy version that was not saved "
                           "(executor.resident.checkpoint_every); the run continues from the last saved "
                           "version")
+            self._check_history()
+            tracker = Tracker(self.run, self.exp)
+            executor = executors.make(self.run, self.exp)
+            status = "FAILED"
+            self.run.record_stop(None)  # a new attempt at the run
             try:
                 if self.exp.executor.mode == "resident":
                     self._drive_resident(executor, tracker)
@@ -124,6 +125,16 @@ class Controller:
                 raise
             finally:
                 tracker.finish(status)
+
+    def _check_history(self) -> None:
+        """Before a run continues: every committed output was computed from the outputs committed
+        now (manifests only; files are checked when a stage reads them)."""
+        problems = [p for k in self.run.iterations_present() for stage in ORDER
+                    for p in commit.lineage(self.run.stage_dir(k, stage))]
+        if problems:
+            raise commit.CorruptOutputError(
+                f"{self.run.root}: the committed outputs do not form one history; nothing was run:\n  "
+                + "\n  ".join(problems) + "\nmove the named stage directories aside to run them again")
 
     def _drive(self, executor, tracker: Tracker) -> None:
         """Run the uncommitted stages in order; with Slurm, keep `lookahead` more queued behind

@@ -86,6 +86,9 @@ class StageContext:
         d = self.run.stage_dir(self.iteration if iteration is None else iteration, stage)
         if not commit.is_committed(d):
             raise commit.CorruptOutputError(f"{d}: input of {self.stage} is not committed")
+        problems = commit.lineage(d)  # its files are checked where they are read (read_table, verified)
+        if problems:
+            raise commit.CorruptOutputError(f"input of {self.stage}: " + "; ".join(problems))
         self.inputs[f"{stage}@{d.parent.name}"] = commit.manifest_digest(d)
         return d
 

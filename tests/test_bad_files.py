@@ -200,3 +200,34 @@ def test_an_unexpected_error_is_one_line_and_its_traceback_goes_to_a_log(write_e
     assert len(logs) == 1 and str(logs[0]) in result.stderr
     text = logs[0].read_text()
     assert "Traceback (most recent call last)" in text and "in broken" in text and "KeyError: 'boom'" in text
+
+
+def _rewrite_generate_manifest(root: Path, k: int = 0) -> Path:
+    """Rewrite iteration k's generate manifest (still valid JSON, its files intact): the score and
+    update committed after it were computed from another generate output than the one there now."""
+    path = root / f"iter_{k:06d}" / "generate" / "_COMMIT.json"
+    manifest = json.loads(path.read_text())
+    manifest["metrics"]["edited"] = 1.0
+    path.write_text(json.dumps(manifest))
+    return path
+
+
+def test_resume_refuses_a_history_whose_recorded_inputs_changed(small_run):
+    _rewrite_generate_manifest(small_run)
+    result = _invoke("resume", small_run)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert "the committed outputs do not form one history; nothing was run" in result.stderr
+    assert (f"{small_run / 'iter_000000' / 'score'}: computed from another "
+            f"{small_run / 'iter_000000' / 'generate'} than the one committed there now") in result.stderr
+
+
+def test_a_stage_refuses_an_input_whose_own_inputs_changed(small_run):
+    from hpcrl import commit, runs
+    from hpcrl.stage import StageContext
+
+    run, exp = runs.open_run(small_run)
+    ctx = StageContext(run, exp, "update", 0, 0, writer=None)
+    assert ctx.input_dir("generate") == run.stage_dir(0, "generate")  # sound: accepted
+    _rewrite_generate_manifest(small_run)
+    with pytest.raises(commit.CorruptOutputError, match="input of update: .*score: computed from another"):
+        ctx.input_dir("score")
