@@ -33,7 +33,8 @@ class AlertStopError(StageFailedError):
 # that is not a number, bad input). A stage failing with one stops the run at once.
 DETERMINISTIC = ("FloatingPointError", "RewardValueError", "ConfigError", "SchemaError", "DatasetError",
                  "CorruptOutputError", "WeightSyncError")
-_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$")
+# torch.distributed's elastic error handler prefixes a rank's traceback lines with "[rank0]: "
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]: )?(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$")
 
 
 def failure_reason(stderr_tail: str) -> tuple[str, str] | None:

@@ -65,6 +65,42 @@ def test_a_nan_reward_stops_the_run_at_once_and_status_names_it(tmp_path, tiny_t
     assert f"hpcrl resume {run.root}" in line
 
 
+HUGE_REWARD = '''
+def judge(response, ground_truth, **_):  # finite, but no float32 gradient of it is
+    return 3.0e38 if response.strip() == ground_truth.strip() else 0.0
+'''
+
+
+def test_an_update_that_goes_non_finite_stops_the_run_at_policy_version_0(tmp_path, tiny_task):
+    """A finite reward too large for float32 (3e38, Dr.GRPO's unscaled advantages): the first update
+    goes non-finite. The run stops without a retry, commits no policy, and status says why."""
+    import os
+
+    import tests.conftest as c
+
+    (tmp_path / "huge_reward.py").write_text(HUGE_REWARD)
+    path = tmp_path / "huge.toml"
+    path.write_text(c.experiment_toml(tiny_task, tmp_path / "runs", "huge",
+                                      run={"iterations": 1, "eval_every": 0},
+                                      algorithm={"norm_adv_by_std": False},
+                                      reward={"functions": ["huge_reward:judge"]},
+                                      executor={"max_retries": 2}, tracking={"enabled": False}))
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True,
+                         text=True, env=env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "not retried: FloatingPointError is not cured by a retry" in out.stdout + out.stderr
+    run = RunDir.at(tmp_path / "runs" / "huge")
+    assert commit.is_committed(run.stage_dir(0, "score"))
+    assert not commit.is_committed(run.stage_dir(0, "update"))
+    assert not list(run.root.rglob("*.safetensors"))  # no policy was written, finite or not
+    status = subprocess.run([sys.executable, "-m", "hpcrl.cli", "status", str(run.root)], capture_output=True,
+                            text=True)
+    line = next(x for x in status.stdout.splitlines() if x.startswith("STOPPED"))
+    assert ("stage update of iteration 0 failed: FloatingPointError: non-finite loss (nan) on rank 0; the "
+            "update is not committed") in line
+
+
 def test_the_failure_reason_is_the_last_exception_line_of_the_log():
     from hpcrl.controller import failure_reason
 
@@ -78,3 +114,6 @@ submitit INFO (2026-12-01) - Exiting after failure"""
     assert failure_reason(tail) == ("RewardValueError", "reward source 'f' gave score = nan; expected a "
                                                         "finite number, for train prompt 3")
     assert failure_reason("Killed\nslurmstepd: error: *** JOB 7 CANCELLED ***") is None
+    # a rank's traceback as torch.distributed prints it (pins: a deterministic failure retried)
+    tail = "[rank0]:     raise FloatingPointError(...)\n[rank0]: FloatingPointError: non-finite loss (nan)"
+    assert failure_reason(tail) == ("FloatingPointError", "non-finite loss (nan)")
