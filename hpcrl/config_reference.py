@@ -98,10 +98,12 @@ def _header(sections: list[str]) -> list[str]:
         "<!-- Generated from hpcrl/config.py by `hpcrl config --markdown > docs/configuration.md`; "
         "do not edit by hand. -->", "",
         "An experiment is one TOML file; `configs/demo.toml` is a complete example, and `hpcrl config` "
-        "prints every key below as commented TOML. Unknown keys, wrong types, missing files, a dataset "
-        "without the prompt column, a tokenizer that does not match the model, a batch that does not "
-        "split over the ranks: each is refused before anything runs, naming the file, the key and what "
-        "was expected. Relative paths are relative to the config file. `hpcrl submit --set KEY=VALUE` "
+        "prints every key below as commented TOML. Unknown keys, wrong types, numbers that are not "
+        "finite, missing files, a dataset without the prompt column or with null prompts, a model "
+        "directory whose weights are missing, truncated or do not match their index, a tokenizer that "
+        "does not match the model, `model.max_model_len` beyond the model's positions, a batch that does "
+        "not split over the ranks: each is refused before anything runs, naming the file, the key and "
+        "what was expected. Relative paths are relative to the config file. `hpcrl submit --set KEY=VALUE` "
         "overrides a key (a TOML value), validated like the file.", "",
         "The resolved config is frozen into the run directory (`experiment.toml`). Resubmitting a changed "
         f"config to an existing run is refused, except for {resumable} (recorded in `run.json`); "
