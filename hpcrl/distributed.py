@@ -18,6 +18,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tcp_store(host: str, port: int, world_size: int | None, is_master: bool, timeout_s: float,
+              wait_for_workers: bool = True):
+    """A torch TCPStore whose server (is_master) listens on `host`'s address only: the address the
+    job's other tasks connect to, not every interface of the node (TCPStore alone binds them all)."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, timeout=timeout,
+                             wait_for_workers=wait_for_workers)
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(1024)
+    except OSError:
+        listener.close()
+        raise
+    # the store owns the descriptor from here (detach: Python's socket object will not close it)
+    return dist.TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=wait_for_workers,
+                         master_listen_fd=listener.detach())
+
+
 def export_env() -> None:
     """Set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT if no launcher did."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -85,12 +85,11 @@ def job_secret(path: Path) -> bytes:
 class ControlPlane:
     def __init__(self, host: str, port: int, rank: int, layout: Layout, stall_s: float = 30.0,
                  timeout_s: float = 1800.0, secret: bytes = b""):
-        import torch.distributed as dist
+        from hpcrl.distributed import tcp_store
 
         self.rank, self.layout, self.stall_s, self.timeout_s = rank, layout, stall_s, timeout_s
         self._secret = secret
-        self.store = dist.TCPStore(host, port, layout.world_size, is_master=rank == 0,
-                                   timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        self.store = tcp_store(host, port, layout.world_size, rank == 0, timeout_s, wait_for_workers=False)
         self.host, self.port = host, port
         self._seq = 0
         self._stopping = threading.Event()

@@ -27,12 +27,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hpcrl.distributed import tcp_store
+
 Named = tuple[str, torch.Tensor]
 
 
 def make_group(host: str, port: int, rank: int, world_size: int, timeout_s: float = 300):
     """A gloo process group of its own (rank 0 sends and hosts the store); returns (group, store)."""
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+    store = tcp_store(host, port, world_size, rank == 0, timeout_s)
     return group_on(store, rank, world_size, timeout_s), store
 
 

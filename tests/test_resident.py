@@ -312,3 +312,29 @@ def test_a_client_without_the_job_secret_can_neither_stop_nor_steer_the_job(tmp_
     generator.wait_signal("committed/0")
     trainer.fail("a real failure")
     assert generator.failure() == "trainer 0 (task 0) failed: a real failure"
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp{,6} write them) of the sockets listening on `port`."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:
+                found.add(address)
+    return found
+
+
+def test_the_job_store_listens_on_the_jobs_address_only():
+    """Pins: the control plane's TCPStore listening on every interface of the node. Its server is
+    bound to the address the job's tasks connect to (here 127.0.0.1), and still serves them."""
+    from hpcrl.distributed import free_port
+    from hpcrl.roles import ControlPlane, Layout
+
+    port = free_port()
+    trainer = ControlPlane("127.0.0.1", port, 0, Layout(1), timeout_s=5, secret=b"k")
+    generator = ControlPlane("127.0.0.1", port, 1, Layout(1), timeout_s=5, secret=b"k")
+    assert _listening_addresses(port) == {"0100007F"}  # 127.0.0.1, not 00000000 (all interfaces)
+    generator.signal("ready")
+    trainer.wait_signal("ready")
