@@ -65,9 +65,14 @@ def _read_raw(path: Path, split: str) -> pa.Table:
     suffix = path.suffix.lower()
     try:
         if suffix == ".parquet":
-            return pq.read_table(path)
-        if suffix in (".jsonl", ".json"):
-            return pajson.read_json(path)
+            table = pq.read_table(path)
+        elif suffix in (".jsonl", ".json"):
+            table = pajson.read_json(path)
+        else:
+            table = None
+        if table is not None:
+            table.validate(full=True)  # text that is not UTF-8 is found here, not when a prompt is read
+            return table
     except (pa.ArrowInvalid, OSError) as err:
         raise DatasetError(f"{path}: cannot be read as {suffix[1:]}: {err}") from None
     raise DatasetError(f"{path}: unknown dataset format {suffix!r}; expected .parquet, .jsonl or a datasets "

@@ -105,6 +105,13 @@ def test_prompts_that_cannot_be_rendered_are_refused(write_experiment, tmp_path,
     _refused(_dry_run(path), path, says)
 
 
+def test_a_jsonl_dataset_that_is_not_utf8_is_refused(write_experiment, tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_bytes(b'{"prompt": "1+1=\xff", "answer": "2"}\n' * 16)
+    path = write_experiment("bad", data={"train": str(train), "test": str(train), "answer_key": "answer"})
+    _refused(_dry_run(path), path, f"data.train: {train}: cannot be read as jsonl")
+
+
 def test_a_reward_module_that_raises_at_import_is_refused(write_experiment, tmp_path, monkeypatch):
     (tmp_path / "broken_rewards.py").write_text("raise RuntimeError('no licence server')\n"
                                                "def score(batch):\n    return [0.0] * len(batch)\n")
