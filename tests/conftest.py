@@ -33,6 +33,18 @@ def tiny_task() -> Path:
     return out
 
 
+def stand_in_model(tiny_task: Path, dest: Path, positions: int = 32768) -> Path:
+    """A copy of the tiny model at `dest` that claims `positions` positions (as Qwen2.5 does), for
+    configs whose model.max_model_len is beyond the tiny model's 64; no vLLM is started on it."""
+    import json
+    import shutil
+
+    shutil.copytree(tiny_task / "model", dest, dirs_exist_ok=True)
+    cfg = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": positions}))
+    return dest
+
+
 def experiment_toml(task: Path, runs_root: Path, name: str = "t", **sections) -> str:
     """A small experiment over the tiny task; `sections` override keys, e.g. update={"world_size": 2}."""
     base = {

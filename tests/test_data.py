@@ -10,7 +10,7 @@ import pytest
 
 from hpcrl import config, data, preflight
 from hpcrl.config import ConfigError
-from tests.conftest import load_tool
+from tests.conftest import load_tool, stand_in_model
 
 # A template unlike the tiny task's own, so a match proves the tokenizer's template was applied.
 TUTOR_TEMPLATE = (
@@ -76,7 +76,7 @@ def tutor_tokenizer(tiny_task, tmp_path):
 
 
 def test_verl_gsm8k_parquet_is_read_as_is_and_rendered_with_the_tokenizers_chat_template(
-        tmp_path, tutor_tokenizer, write_experiment):
+        tmp_path, tutor_tokenizer, write_experiment, tiny_task):
     from transformers import AutoTokenizer
 
     path = tmp_path / "gsm8k-train.parquet"
@@ -90,7 +90,9 @@ def test_verl_gsm8k_parquet_is_read_as_is_and_rendered_with_the_tokenizers_chat_
         "<|im_start|>system\nYou are a math tutor.<|im_end|>\n"
         f"<|im_start|>user\n{QUESTIONS[1][0]} {INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n")
     # the whole config path: preflight accepts it and the prompt set keeps every row
-    exp = config.load(write_experiment(model={"tokenizer": str(tutor_tokenizer), "max_model_len": 512},
+    model = stand_in_model(tiny_task, tmp_path / "model")
+    exp = config.load(write_experiment(model={"path": str(model), "tokenizer": str(tutor_tokenizer),
+                                              "max_model_len": 512},
                                        data={"train": str(path), "test": str(path)},
                                        algorithm={"prompts_per_iteration": 4}, update={"mini_batches": 1}))
     assert preflight.check(exp, "e.toml") == []
@@ -122,7 +124,7 @@ def test_preparation_refuses_an_answer_without_a_final_number(tmp_path):
                      "raw.parquet")
 
 
-def test_hf_datasets_save_to_disk_directories_load(tmp_path, write_experiment):
+def test_hf_datasets_save_to_disk_directories_load(tmp_path, write_experiment, tiny_task):
     import datasets
     rows = gsm8k_rows(10)
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "one"))
@@ -140,7 +142,8 @@ def test_hf_datasets_save_to_disk_directories_load(tmp_path, write_experiment):
     with pytest.raises(data.DatasetError, match="not one written by datasets' save_to_disk"):
         data.load_prompts(tmp_path)
     # in a config: one directory for both splits, the test split named
-    exp = config.load(write_experiment(model={"max_model_len": 512},
+    model = stand_in_model(tiny_task, tmp_path / "model")
+    exp = config.load(write_experiment(model={"path": str(model), "max_model_len": 512},
                                        data={"train": str(tmp_path / "dict"), "test": str(tmp_path / "dict"),
                                              "test_split": "validation"}))
     preflight.check(exp, "e.toml")

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from hpcrl import config
+from tests.conftest import stand_in_model
 
 REPO = Path(__file__).resolve().parents[1]
 N_TRAIN, N_LONG, N_TEST = 1100, 3, 40
@@ -57,11 +58,7 @@ def _tree(recipe: str, tmp_path: Path, tiny_task: Path, gsm8k_data: Path) -> Pat
     path = tmp_path / "configs" / recipe
     shutil.copy(REPO / "configs" / recipe, path)
     raw = tomllib.loads(path.read_text())
-    model = (path.parent / raw["model"]["path"]).resolve()
-    model.mkdir(parents=True)
-    for f in (tiny_task / "model").iterdir():
-        if f.suffix != ".safetensors":  # config and tokenizer only: preflight reads no weights
-            shutil.copy(f, model / f.name)
+    stand_in_model(tiny_task, (path.parent / raw["model"]["path"]).resolve())
     for split in ("train", "test"):
         dest = (path.parent / raw["data"][split]).resolve()
         dest.parent.mkdir(parents=True, exist_ok=True)
