@@ -40,11 +40,7 @@ def _policy_files(run: RunDir, exp: Experiment,
                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(base).parts)}
         return files, f"model.path {base}"
     stage = run.stage_dir(version - 1, UPDATE)
-    try:
-        manifest = commit.read_manifest(stage)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise commit.CorruptOutputError(f"{stage / commit.MANIFEST}: not a readable manifest "
-                                        f"({err})") from None
+    manifest = commit.read_manifest(stage)  # CorruptOutputError when it is not JSON
     if manifest is None:
         raise ExportError(f"policy version {version} does not exist: the update of iteration {version - 1} "
                           f"({stage}) is not committed; see `hpcrl status {run.root}`")

@@ -32,15 +32,6 @@ class InspectError(RuntimeError):
     """A request the run directory cannot answer (an iteration or a stage that is not committed)."""
 
 
-def manifest(stage_dir: Path) -> dict | None:
-    """The manifest of a stage directory, None when not committed; unreadable JSON is corruption."""
-    try:
-        return commit.read_manifest(stage_dir)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise commit.CorruptOutputError(f"{stage_dir / commit.MANIFEST}: not a readable manifest "
-                                        f"({err})") from None
-
-
 def metric_columns(exp: Experiment) -> list[tuple[str, str, str]]:
     """The table's columns for this run: actor/kl_loss only when a KL penalty is configured (the
     per-sample KL to the reference when it is a reward); the critic's explained variance for ppo."""
@@ -62,7 +53,7 @@ def iteration_table(run: RunDir, exp: Experiment, extra: tuple[str, ...] = ()) -
     columns = metric_columns(exp) + [(key, key, ".4g") for key in extra]
     rows = []
     for k in run.iterations_present():
-        found = {s: manifest(run.stage_dir(k, s)) for s in ORDER}
+        found = {s: commit.read_manifest(run.stage_dir(k, s)) for s in ORDER}
         if not any(found.values()):
             continue
         metrics = {key: v for m in found.values() if m for key, v in m.get("metrics", {}).items()}
@@ -76,7 +67,7 @@ def iteration_table(run: RunDir, exp: Experiment, extra: tuple[str, ...] = ()) -
 
 def committed_file(stage_dir: Path, table: str) -> Path:
     """The parquet file of a committed table, after checking it against its manifest."""
-    m = manifest(stage_dir)
+    m = commit.read_manifest(stage_dir)
     if m is None:
         raise InspectError(f"{stage_dir}: not committed (no {commit.MANIFEST}); see `hpcrl status`")
     entry = m.get("tables", {}).get(table)
@@ -150,7 +141,7 @@ def iteration_detail(run: RunDir, k: int, samples: int = 3) -> dict[str, pl.Data
     lengths = by("split", count=pl.len(), mean=length.mean(),
                  p50=length.quantile(0.5, "linear"), p90=length.quantile(0.9, "linear"), max=length.max())
     finish = by("split", "finish_reason", count=pl.len())
-    info = {"iteration": k, "policy_version": (manifest(gen) or {}).get("policy_version"),
+    info = {"iteration": k, "policy_version": (commit.read_manifest(gen) or {}).get("policy_version"),
             "rows": dict(df.group_by("split", maintain_order=True).len().iter_rows())}
     return {"info": info, "rewards": rewards, "response_length": lengths, "finish_reasons": finish,
             "samples": _samples(df, rollouts, samples)}

@@ -184,5 +184,5 @@ def test_corrupted_parquet_is_named_and_exits_1(tmp_path):
     manifest = run.stage_dir(0, "update") / commit.MANIFEST
     manifest.write_text(manifest.read_text()[:-20])
     out = hpcrl("inspect", run.root)
-    assert out.returncode == 1 and f"error: {manifest}: not a readable manifest" in out.stderr
+    assert out.returncode == 1 and f"error: {manifest}: damaged, not valid JSON" in out.stderr
     assert "Traceback" not in out.stderr
