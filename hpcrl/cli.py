@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from hpcrl import commit, config, plan
+from hpcrl import cli_retention, commit, config, plan
 from hpcrl.config import ConfigError
 from hpcrl.rundir import RunDir, RunLockedError
 from hpcrl.stage_kinds import ORDER
@@ -226,7 +226,9 @@ def status(run_dir: Path, verify: bool) -> None:
         click.echo(f"{k:>6}  " + "  ".join(f"{c:<12}" for c in cells) + f"  {reward:<7}  {val}")
     nxt = plan.next_stage(run, exp)
     click.echo("complete" if nxt is None else f"next: iteration {nxt[0]} {nxt[1]}")
-    from hpcrl import alerts
+    from hpcrl import alerts, pruning
+
+    click.echo(pruning.status_line(run))
 
     for line in alerts.report(run.read_run_info(), run.root, nxt is None):
         click.echo(line)
@@ -387,6 +389,8 @@ def replay(run_dir: Path, iteration: int, stage: str, sets: tuple[str, ...], out
     click.echo(rp.format_report(report, original, replayed, overrides))
     sys.exit(0 if report.match else 1)
 
+
+main.add_command(cli_retention.pin)
 
 if __name__ == "__main__":
     main()

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from hpcrl import schemas
 
 MANIFEST = "_COMMIT.json"
+PRUNED = "_PRUNED.json"  # the parts of a committed output that retention removed (hpcrl.pruning)
 
 
 class AlreadyCommittedError(RuntimeError):
@@ -33,6 +34,10 @@ class CorruptOutputError(RuntimeError):
     """A committed output does not match its manifest."""
 
 
+class PrunedError(CorruptOutputError):
+    """A part of a committed output that retention removed (run.retention) was asked for."""
+
+
 def is_committed(stage_dir: Path) -> bool:
     return (stage_dir / MANIFEST).is_file()
 
@@ -40,6 +45,17 @@ def is_committed(stage_dir: Path) -> bool:
 def read_manifest(stage_dir: Path) -> dict | None:
     path = stage_dir / MANIFEST
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def pruned_parts(stage_dir: Path) -> dict[str, dict]:
+    """{top-level folder of the output: what removed it} for the folders retention pruned; the
+    manifest still lists their files, so the output's identity (its manifest digest) stays."""
+    path = stage_dir / PRUNED
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def pruned_message(stage_dir: Path, part: str, record: dict) -> str:
+    return f"{stage_dir / part}: pruned by retention ({record.get('rule', '?')}, at {record.get('at', '?')})"
 
 
 def file_digest(path: Path) -> str:
@@ -145,7 +161,7 @@ def commit(stage_dir: Path, writer: StageWriter, manifest: dict) -> dict:
 def verify(stage_dir: Path, under: str | None = None) -> list[str]:
     """Problems with a committed output (missing or changed files, or inputs that are not the
     committed outputs it was computed from), empty when it is sound; with `under`, only its files
-    in that subdirectory."""
+    in that subdirectory. The files of a folder retention pruned are not checked (`pruned_parts`)."""
     manifest = read_manifest(stage_dir)
     if manifest is None:
         return [f"{stage_dir}: not committed (no {MANIFEST})"]
@@ -158,8 +174,11 @@ def verify(stage_dir: Path, under: str | None = None) -> list[str]:
             problems.append(f"{stage_dir}: its input {source} is not committed")
         elif manifest_digest(source) != digest:
             problems.append(f"{stage_dir}: computed from another {source} than the one committed there now")
+    pruned = pruned_parts(stage_dir)
+    if under is not None and under.split("/", 1)[0] in pruned:
+        return [pruned_message(stage_dir, under.split("/", 1)[0], pruned[under.split("/", 1)[0]])]
     files = {rel: meta for rel, meta in manifest["files"].items()
-             if under is None or rel.startswith(f"{under}/")}
+             if (under is None or rel.startswith(f"{under}/")) and rel.split("/", 1)[0] not in pruned}
     if under is not None and not files:
         problems.append(f"{stage_dir / under}: no files of it are listed in {MANIFEST}")
     for rel, meta in files.items():
@@ -179,7 +198,10 @@ def verified(path: Path) -> Path:
     stage_dir = next((d for d in path.parents if (d / MANIFEST).is_file()), None)
     if stage_dir is None:
         return path
-    problems = verify(stage_dir, str(path.relative_to(stage_dir)))
+    rel = str(path.relative_to(stage_dir))
+    if (record := pruned_parts(stage_dir).get(rel.split("/", 1)[0])) is not None:
+        raise PrunedError(pruned_message(stage_dir, rel.split("/", 1)[0], record))
+    problems = verify(stage_dir, rel)
     if problems:
         raise CorruptOutputError("; ".join(problems))
     return path

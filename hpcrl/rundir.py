@@ -25,6 +25,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcrl import commit
 from hpcrl.stage_kinds import ORDER, UPDATE
 
 CONFIG_FILE = "experiment.toml"
@@ -87,8 +88,9 @@ class RunDir:
 
     def has_policy(self, version: int) -> bool:
         """Whether the weights of `version` were saved (always for 0, the base model)."""
+        stage = self.stage_dir(version - 1, UPDATE) if version else None
         return version == 0 or (self.policy_dir(version, "") / "config.json").is_file() and (
-            self.stage_dir(version - 1, UPDATE) / "_COMMIT.json").is_file()
+            commit.is_committed(stage) and "policy" not in commit.pruned_parts(stage))
 
     def latest_saved_version(self) -> int:
         """The highest policy version whose weights and trainer state are committed."""
