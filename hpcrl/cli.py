@@ -118,6 +118,9 @@ def _dry_run(experiment: Path, sets: tuple[str, ...]) -> None:
         paths = sbatch.write_all(run, exp, out)
     except ConfigError as err:
         _fail(str(err))
+    from hpcrl import disk_budget
+
+    click.echo(disk_budget.describe(disk_budget.estimate(exp)))
     state = (f"the existing run {run.root} is left as it is" if frozen is not None
              else f"no run created at {run.root}")
     click.echo(f"dry run: config, model, tokenizer, data, rewards and batch shape checked; wrote the "

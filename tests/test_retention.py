@@ -179,3 +179,47 @@ def test_an_interrupted_prune_is_finished_and_read_once(tmp_path):
         f.write(json.dumps(pruning.ledger(run)[0]) + "\n" + '{"torn')
     assert pruning.prune(run, exp) == [] and not (stage / "policy").exists()
     assert len(pruning.ledger(run)) == 1 and not run.has_policy(1)
+
+
+# ---- the disk budget at submit ----------------------------------------------------------------
+
+def test_the_estimate_counts_weights_trainer_states_and_retention(write_experiment):
+    from hpcrl import disk_budget
+
+    exp = config.load(write_experiment("b", run={"iterations": 10}))
+    params = disk_budget.params_of(exp.model.path)
+    assert params == 462592  # the tiny task's model
+    full = disk_budget.estimate(exp)
+    assert (full.policy, full.state, full.policies, full.states) == (4 * params, 12 * params, 10, 10)
+    kept = disk_budget.estimate(config.with_overrides(
+        exp, {"run.retention.keep_last": 2, "run.retention.keep_trainer_states": 1,
+              "model.dtype": "bfloat16"}, "test"))
+    assert (kept.policy, kept.state, kept.policies, kept.states) == (2 * params, 14 * params, 2, 1)
+    assert kept.peak == 3 * kept.policy + 2 * kept.state + 10 * kept.data
+    assert kept.final < full.final / 4
+    ppo = disk_budget.estimate(config.with_overrides(exp, {"algorithm.name": "ppo"}, "test"))
+    assert ppo.policy == 2 * full.policy and ppo.state == 2 * full.state
+
+
+def test_a_run_that_cannot_fit_is_refused_before_anything_and_dry_run_prints_the_estimate(write_experiment,
+                                                                                         tmp_path):
+    import shutil
+
+    from click.testing import CliRunner
+
+    from hpcrl.cli import main
+
+    # twice the free space without retention (7.2 MiB an iteration), about 1% of it with
+    iterations = 2 * shutil.disk_usage(tmp_path).free // (7 << 20)
+    huge = write_experiment("huge", run={"iterations": iterations})
+    out = CliRunner().invoke(main, ["submit", str(huge)])
+    assert out.exit_code == 2
+    assert "run.runs_root: " in out.stderr and "more on disk and" in out.stderr
+    assert "[run.retention]" in out.stderr
+    assert not (huge.parent / "runs" / "huge").exists()
+    fits = write_experiment("fits", run={"iterations": iterations,
+                                         "retention": {"keep_last": 1, "keep_trainer_states": 1}})
+    out = CliRunner().invoke(main, ["submit", "--dry-run", str(fits)])
+    assert out.exit_code == 0, out.output
+    assert (f"at the peak (1 of {iterations} policy versions x 1.8 MiB, 1 trainer states x 5.3 MiB, "
+            f"{iterations} iterations of rollouts x 48.0 KiB; run.retention)") in out.stdout
