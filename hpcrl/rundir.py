@@ -6,6 +6,7 @@
       iter_000000/{generate,score,update}/   committed stage outputs (see hpcrl.commit)
       policy/v000001 -> ../iter_000000/update/policy   HF weights of each trained version
       logs/                   one folder per stage job
+      retention.jsonl         what retention pruned (hpcrl.pruning); pins.json: pinned versions
 
 Policy version 0 is the configured base model; version v > 0 is written, with the DeepSpeed
 state that produced it (and, for PPO, the critic trained with it: `critic/`, its DeepSpeed state
