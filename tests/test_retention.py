@@ -219,7 +219,12 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_and_dry_run_prints_the
     assert not (huge.parent / "runs" / "huge").exists()
     fits = write_experiment("fits", run={"iterations": iterations,
                                          "retention": {"keep_last": 1, "keep_trainer_states": 1}})
-    out = CliRunner().invoke(main, ["submit", "--dry-run", str(fits)])
+    from hpcrl import preflight
+
+    assert preflight.check(config.load(fits), str(fits)) == []  # about 1% of the free space
+    small = write_experiment("small", run={"iterations": 3, "retention": {"keep_last": 2,
+                                                                          "keep_trainer_states": 1}})
+    out = CliRunner().invoke(main, ["submit", "--dry-run", str(small)])
     assert out.exit_code == 0, out.output
-    assert (f"at the peak (1 of {iterations} policy versions x 1.8 MiB, 1 trainer states x 5.3 MiB, "
-            f"{iterations} iterations of rollouts x 48.0 KiB; run.retention)") in out.stdout
+    assert ("disk: about 9.0 MiB by the end, 16.0 MiB at the peak (2 of 3 policy versions x 1.8 MiB, "
+            "1 trainer states x 5.3 MiB, 3 iterations of rollouts x 48.0 KiB; run.retention)") in out.stdout
