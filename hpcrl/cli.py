@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 import sys
 from pathlib import Path
 
 import click
 
-from hpcrl import commit, config, plan
+from hpcrl import cli_retention, cli_status, commit, config, plan
 from hpcrl.cli_errors import Main
 from hpcrl.cli_errors import fail as _fail
 from hpcrl.config import ConfigError
@@ -124,6 +123,9 @@ def _dry_run(experiment: Path, sets: tuple[str, ...]) -> None:
         paths = sbatch.write_all(run, exp, out)
     except ConfigError as err:
         _fail(str(err))
+    from hpcrl import disk_budget
+
+    click.echo(disk_budget.describe(disk_budget.estimate(exp)))
     state = (f"the existing run {run.root} is left as it is" if frozen is not None
              else f"no run created at {run.root}")
     click.echo(f"dry run: config, model, tokenizer, data, rewards and batch shape checked; wrote the "
@@ -182,69 +184,6 @@ def resume(run_dir: Path) -> None:
     except ConfigError as err:
         _fail(str(err))
     _drive(run, exp)
-
-
-def _stage_state(run: RunDir, k: int, stage: str) -> str:
-    d = run.stage_dir(k, stage)
-    if commit.is_committed(d):
-        m = commit.read_manifest(d)
-        return f"done {m['timings'].get('total', 0):.1f}s"
-    lock = d.parent / f".{stage}.lock"
-    if lock.exists():
-        fd = os.open(lock, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return "RUNNING"
-        finally:
-            os.close(fd)
-    return "-"
-
-
-@main.command()
-@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--verify", is_flag=True, help="Check every committed file against its manifest checksums.")
-def status(run_dir: Path, verify: bool) -> None:
-    """What is committed and what is running in RUN_DIR."""
-    from hpcrl import runs
-
-    try:
-        run, exp = runs.open_run(run_dir)
-    except ConfigError as err:
-        _fail(str(err))
-    stages = ORDER
-    click.echo(f"{'iter':>6}  " + "  ".join(f"{s:<12}" for s in stages) + "  reward   val")
-    problems = []
-    for k in range(exp.run.iterations + 1):
-        kinds = plan.stages_of(exp, k)
-        if not kinds:
-            continue
-        cells = [(_stage_state(run, k, s) if s in kinds else "") for s in stages]
-        metrics = {}
-        for s in kinds:
-            m = commit.read_manifest(run.stage_dir(k, s))
-            if m:
-                metrics.update(m["metrics"])
-                if verify:
-                    problems += commit.verify(run.stage_dir(k, s))
-        reward = f"{metrics['critic/score/mean']:.3f}" if "critic/score/mean" in metrics else "-"
-        val = f"{metrics['val/score']:.3f}" if "val/score" in metrics else "-"
-        click.echo(f"{k:>6}  " + "  ".join(f"{c:<12}" for c in cells) + f"  {reward:<7}  {val}")
-    nxt = plan.next_stage(run, exp)
-    click.echo("complete" if nxt is None else f"next: iteration {nxt[0]} {nxt[1]}")
-    from hpcrl import alerts
-
-    for line in alerts.report(run.read_run_info(), run.root, nxt is None):
-        click.echo(line)
-    if exp.executor.kind == "slurm" and run.jobs():
-        from hpcrl.slurm import job_table
-
-        click.echo("\nSlurm jobs:")
-        click.echo(job_table(run.jobs()))
-    for p in problems:
-        click.echo(f"CORRUPT: {p}", err=True)
-    if problems:
-        sys.exit(1)
 
 
 @main.command()
@@ -393,6 +332,9 @@ def replay(run_dir: Path, iteration: int, stage: str, sets: tuple[str, ...], out
     click.echo(rp.format_report(report, original, replayed, overrides))
     sys.exit(0 if report.match else 1)
 
+
+main.add_command(cli_retention.pin)
+main.add_command(cli_status.status)
 
 if __name__ == "__main__":
     main()

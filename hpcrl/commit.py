@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from hpcrl import schemas
 
 MANIFEST = "_COMMIT.json"
+PRUNED = "_PRUNED.json"  # the parts of a committed output that retention removed (hpcrl.pruning)
 
 
 class AlreadyCommittedError(RuntimeError):
@@ -31,6 +32,10 @@ class AlreadyCommittedError(RuntimeError):
 
 class CorruptOutputError(RuntimeError):
     """A committed output does not match its manifest."""
+
+
+class PrunedError(CorruptOutputError):
+    """A part of a committed output that retention removed (run.retention) was asked for."""
 
 
 def is_committed(stage_dir: Path) -> bool:
@@ -54,6 +59,17 @@ def read_json_object(path: Path, hint: str = "restore it from a backup, or move 
 def read_manifest(stage_dir: Path) -> dict | None:
     path = stage_dir / MANIFEST
     return read_json_object(path) if path.is_file() else None
+
+
+def pruned_parts(stage_dir: Path) -> dict[str, dict]:
+    """{top-level folder of the output: what removed it} for the folders retention pruned; the
+    manifest still lists their files, so the output's identity (its manifest digest) stays."""
+    path = stage_dir / PRUNED
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def pruned_message(stage_dir: Path, part: str, record: dict) -> str:
+    return f"{stage_dir / part}: pruned by retention ({record.get('rule', '?')}, at {record.get('at', '?')})"
 
 
 def file_digest(path: Path) -> str:
@@ -175,13 +191,16 @@ def lineage(stage_dir: Path, manifest: dict | None = None) -> list[str]:
 def verify(stage_dir: Path, under: str | None = None) -> list[str]:
     """Problems with a committed output (missing or changed files, or inputs that are not the
     committed outputs it was computed from), empty when it is sound; with `under`, only its files
-    in that subdirectory."""
+    in that subdirectory. The files of a folder retention pruned are not checked (`pruned_parts`)."""
     manifest = read_manifest(stage_dir)
     if manifest is None:
         return [f"{stage_dir}: not committed (no {MANIFEST})"]
     problems = lineage(stage_dir, manifest) if under is None else []
+    pruned = pruned_parts(stage_dir)
+    if under is not None and under.split("/", 1)[0] in pruned:
+        return [pruned_message(stage_dir, under.split("/", 1)[0], pruned[under.split("/", 1)[0]])]
     files = {rel: meta for rel, meta in manifest["files"].items()
-             if under is None or rel.startswith(f"{under}/")}
+             if (under is None or rel.startswith(f"{under}/")) and rel.split("/", 1)[0] not in pruned}
     if under is not None and not files:
         problems.append(f"{stage_dir / under}: no files of it are listed in {MANIFEST}")
     for rel, meta in files.items():
@@ -201,7 +220,10 @@ def verified(path: Path) -> Path:
     stage_dir = next((d for d in path.parents if (d / MANIFEST).is_file()), None)
     if stage_dir is None:
         return path
-    problems = verify(stage_dir, str(path.relative_to(stage_dir)))
+    rel = str(path.relative_to(stage_dir))
+    if (record := pruned_parts(stage_dir).get(rel.split("/", 1)[0])) is not None:
+        raise PrunedError(pruned_message(stage_dir, rel.split("/", 1)[0], record))
+    problems = verify(stage_dir, rel)
     if problems:
         raise CorruptOutputError("; ".join(problems))
     return path

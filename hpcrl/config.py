@@ -75,7 +75,7 @@ class Experiment(Section):
 
 
 # Keys a resumed run may change; anything else must match the frozen config.
-RESUMABLE_CHANGES = ("run.iterations", "run.eval_every", "executor.", "tracking.enabled",
+RESUMABLE_CHANGES = ("run.iterations", "run.eval_every", "run.retention.", "executor.", "tracking.enabled",
                      "tracking.plot_every", "alerts.")
 
 

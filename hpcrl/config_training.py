@@ -14,6 +14,17 @@ from pydantic import Field, field_validator, model_validator
 from hpcrl.config_section import PathStr, Rule, Section
 
 
+class RetentionConfig(Section):
+    keep_last: int = Field(0, ge=0, description="Keep the weights of the last N saved policy versions (0: "
+                           "keep every version). Version 0 (model.path), pinned versions (`hpcrl pin`) and "
+                           "the version the run continues from are always kept (docs/retention.md).")
+    keep_every: int = Field(0, ge=0, description="Also keep every K-th policy version (versions K, 2K, ...; "
+                            "0: none beyond keep_last).")
+    keep_trainer_states: int = Field(0, ge=0, description="Keep the DeepSpeed trainer states (optimizer "
+                                     "state and fp32 master weights) of the last M saved versions (0: all); "
+                                     "a continuing run needs only the latest.")
+
+
 class RunConfig(Section):
     name: str = Field("run", description="Run name: the run directory is <runs_root>/<name>.")
     runs_root: PathStr = Field("runs", description="Directory holding the run directories and the MLflow "
@@ -25,6 +36,9 @@ class RunConfig(Section):
         "your group read it, 0700 only you.")
     eval_every: int = Field(5, ge=0, description="Validate on the test set every N iterations (0: only at "
                             "the end).")
+    retention: RetentionConfig = Field(RetentionConfig(), description="Which policy versions and trainer "
+                                       "states the run keeps on disk; the rest are pruned after each update "
+                                       "and recorded in retention.jsonl.")
 
     @field_validator("name")
     @classmethod

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import submitit
 
-from hpcrl import alerts, commit, executors, plan
+from hpcrl import alerts, commit, executors, plan, pruning
 from hpcrl.config import Experiment
 from hpcrl.rundir import RunDir, RunLock
 from hpcrl.stage_kinds import GENERATE, KINDS, ORDER, SCORE, UPDATE
@@ -32,7 +32,7 @@ class AlertStopError(StageFailedError):
 # Errors a retry cannot cure: the same inputs give the same failure (non-finite values, a reward
 # that is not a number, bad input). A stage failing with one stops the run at once.
 DETERMINISTIC = ("FloatingPointError", "RewardValueError", "ConfigError", "SchemaError", "DatasetError",
-                 "CorruptOutputError", "WeightSyncError")
+                 "CorruptOutputError", "PrunedError", "WeightSyncError")
 # torch.distributed's elastic error handler prefixes a rank's traceback lines with "[rank0]: "
 _ERROR_LINE = re.compile(r"^(?:\[rank\d+\]: )?(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$")
 
@@ -116,6 +116,7 @@ class Controller:
             status = "FAILED"
             self.run.record_stop(None)  # a new attempt at the run
             try:
+                self._prune()  # rules changed on resume, or a prune interrupted by a crash
                 if self.exp.executor.mode == "resident":
                     self._drive_resident(executor, tracker)
                 else:
@@ -233,6 +234,7 @@ class Controller:
             tracker.set_tags(tags)
         if stage == UPDATE:
             self.run.publish_policy(k + 1)
+            self._prune()
         if stage == SCORE:
             tracker.log_table(sample_rows(self.run, k), f"samples/iter_{k:06d}.json")
         if stage == plan.stages_of(self.exp, k)[-1]:
@@ -241,6 +243,11 @@ class Controller:
             if plan.next_stage(self.run, self.exp) is None or (every and (k + 1) % every == 0):
                 tracker.log_plots(self.run, self.exp)
 
+    def _prune(self) -> None:
+        """Remove what [run.retention] lets go now; say what, by which rule (retention.jsonl records it)."""
+        for e in pruning.prune(self.run, self.exp):
+            self.echo(f"retention: pruned the {pruning.NAMES[e['part']]} {e['version']} "
+                      f"({pruning.size(e['bytes'])}; {e['rule']})")
 
     def _check_alerts(self, tracker: Tracker, k: int, stage: str, manifest: dict) -> None:
         """Evaluate [alerts] on a committed stage: report each alert; stop on one in alerts.stop."""

@@ -16,8 +16,9 @@ import os
 import shutil
 from pathlib import Path
 
-from hpcrl import commit
+from hpcrl import commit, pruning
 from hpcrl.config import Experiment
+from hpcrl.retention import POLICY
 from hpcrl.rundir import RunDir
 from hpcrl.stage_kinds import UPDATE
 
@@ -44,6 +45,7 @@ def _policy_files(run: RunDir, exp: Experiment,
     if manifest is None:
         raise ExportError(f"policy version {version} does not exist: the update of iteration {version - 1} "
                           f"({stage}) is not committed; see `hpcrl status {run.root}`")
+    pruning.require(run, version, POLICY, f"export of policy version {version}")
     prefix = "policy/"
     files = {rel[len(prefix):]: (stage / rel, meta) for rel, meta in sorted(manifest["files"].items())
              if rel.startswith(prefix)}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hpcrl import data, model_check, rewards
+from hpcrl import data, disk_budget, model_check, rewards
 from hpcrl.config import ConfigError, Experiment
 from hpcrl.stage_kinds import ORDER
 
@@ -203,6 +203,9 @@ def check(exp: Experiment, source: str) -> list[str]:
     data_problems, notes = _check_data(exp, tok)
     problems += (tok_problems + data_problems + _check_algorithm(exp) + _check_critic(exp)
                  + _check_rewards(exp) + _check_batch(exp) + _check_slurm(exp) + _check_memory(exp))
+    if not problems:  # the disk budget is only worth a look for a run that can start
+        disk_problems, disk_notes = disk_budget.check(exp)
+        problems, notes = disk_problems, notes + disk_notes
     if problems:
         raise ConfigError(f"{source}: the experiment cannot run:\n  " + "\n  ".join(problems))
     return notes + _dynamic_sampling_notes(exp)

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcrl import commit, config, executors, schemas, stage_kinds
+from hpcrl import commit, config, executors, pruning, schemas, stage_kinds
 from hpcrl.config import Experiment
+from hpcrl.retention import POLICY, TRAINER
 from hpcrl.rundir import RunDir
 from hpcrl.stage_kinds import GENERATE, SCORE, UPDATE
 
@@ -32,11 +33,24 @@ def inputs_of(stage: str, iteration: int) -> list[tuple[int, str]]:
     return stage_kinds.kind(stage).inputs(iteration)
 
 
+def needs(stage: str, iteration: int) -> list[tuple[int, str]]:
+    """(version, part) a replay reads: generate samples with the iteration's policy; an update
+    starts from that policy and its trainer state, and compares the policy it made."""
+    if stage == GENERATE:
+        return [(iteration, POLICY)]
+    if stage == UPDATE:
+        return [(iteration, POLICY), (iteration, TRAINER), (iteration + 1, POLICY)]
+    return []
+
+
 def prepare(run: RunDir, exp: Experiment, iteration: int, stage: str, overrides: dict[str, str],
             out: Path | None = None) -> tuple[RunDir, Experiment]:
     original = run.stage_dir(iteration, stage)
     if not commit.is_committed(original):
         raise commit.CorruptOutputError(f"{original}: not committed; there is nothing to replay")
+    what = f"replay of {stage} of iteration {iteration}"
+    for version, part in needs(stage, iteration):
+        pruning.require(run, version, part, what)
     for k, s in [*inputs_of(stage, iteration), (iteration, stage)]:
         problems = commit.verify(run.stage_dir(k, s))
         if problems:

@@ -6,6 +6,7 @@
       iter_000000/{generate,score,update}/   committed stage outputs (see hpcrl.commit)
       policy/v000001 -> ../iter_000000/update/policy   HF weights of each trained version
       logs/                   one folder per stage job
+      retention.jsonl         what retention pruned (hpcrl.pruning); pins.json: pinned versions
 
 Policy version 0 is the configured base model; version v > 0 is written, with the DeepSpeed
 state that produced it (and, for PPO, the critic trained with it: `critic/`, its DeepSpeed state
@@ -25,6 +26,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcrl import commit
 from hpcrl.stage_kinds import ORDER, UPDATE
 
 CONFIG_FILE = "experiment.toml"
@@ -87,8 +89,9 @@ class RunDir:
 
     def has_policy(self, version: int) -> bool:
         """Whether the weights of `version` were saved (always for 0, the base model)."""
+        stage = self.stage_dir(version - 1, UPDATE) if version else None
         return version == 0 or (self.policy_dir(version, "") / "config.json").is_file() and (
-            self.stage_dir(version - 1, UPDATE) / "_COMMIT.json").is_file()
+            commit.is_committed(stage) and "policy" not in commit.pruned_parts(stage))
 
     def latest_saved_version(self) -> int:
         """The highest policy version whose weights and trainer state are committed."""
