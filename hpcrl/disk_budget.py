@@ -11,14 +11,12 @@ disk than the rules keep: that peak is what must fit.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcrl import retention
+from hpcrl import model_check, retention
 from hpcrl.config import Experiment
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -29,17 +27,12 @@ TIGHT = 0.8  # a run needing more than this share of the free space is warned ab
 
 
 def params_of(model_dir: str | Path) -> int | None:
-    """The parameter count of an HF model folder, from its safetensors headers (no tensor read)."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
+    """The parameter count of an HF model folder, from its safetensors headers (no tensor read);
+    None without safetensors weights (or with damaged ones: preflight names those)."""
+    problems, shapes = model_check.weight_shapes(str(model_dir), "model.path")
+    if problems or not shapes:
         return None
-    total = 0
-    for path in files:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        total += sum(math.prod(meta["shape"]) for name, meta in header.items() if name != "__metadata__")
-    return total
+    return sum(math.prod(shape) for shape in shapes.values())
 
 
 @dataclass

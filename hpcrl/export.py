@@ -29,11 +29,11 @@ class ExportError(RuntimeError):
     """An export that is refused: the version does not exist, or the destination is not empty."""
 
 
-def _policy_files(run: RunDir, exp: Experiment,
+def _policy_files(run: RunDir, model_path: str,
                   version: int) -> tuple[dict[str, tuple[Path, dict | None]], str]:
     """{relative path: (source file, manifest entry or None)} of a version, and where they come from."""
     if version == 0:
-        base = Path(exp.model.path)
+        base = Path(model_path)
         if not (base / "config.json").is_file():
             raise ExportError(f"{base}: model.path of the run's config is not an HF model folder "
                               "(no config.json)")
@@ -69,7 +69,7 @@ def export_policy(run: RunDir, exp: Experiment, version: int, dest: str | os.Pat
     if not 0 <= version <= last:
         raise ExportError(f"policy version {version} is out of range: this run has versions 0..{last}")
     _check_destination(dest)
-    files, origin = _policy_files(run, exp, version)
+    files, origin = _policy_files(run, exp.model.path, version)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.export-tmp"
     shutil.rmtree(tmp, ignore_errors=True)

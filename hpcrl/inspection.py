@@ -17,6 +17,7 @@ import polars as pl
 
 from hpcrl import commit
 from hpcrl.config import Experiment
+from hpcrl.config_training import AlgorithmConfig
 from hpcrl.rundir import RunDir
 from hpcrl.schemas import SAMPLE_KEYS
 from hpcrl.stage_kinds import GENERATE, KINDS, ORDER, SCORE
@@ -32,10 +33,9 @@ class InspectError(RuntimeError):
     """A request the run directory cannot answer (an iteration or a stage that is not committed)."""
 
 
-def metric_columns(exp: Experiment) -> list[tuple[str, str, str]]:
+def metric_columns(a: AlgorithmConfig) -> list[tuple[str, str, str]]:
     """The table's columns for this run: actor/kl_loss only when a KL penalty is configured (the
     per-sample KL to the reference when it is a reward); the critic's explained variance for ppo."""
-    a = exp.algorithm
     metrics = [m for m in METRICS if m[0] != "actor/kl_loss" or a.kl.coef > 0]
     if a.kl.coef > 0 and a.kl.mode == "reward":
         metrics = [("actor/reward_kl_penalty", "kl_ref", ".2e") if m[0] == "actor/kl_loss" else m
@@ -50,7 +50,7 @@ def iteration_table(run: RunDir, exp: Experiment, extra: tuple[str, ...] = ()) -
 
     `extra` names more manifest metrics to add as columns (e.g. "response_length/max").
     """
-    columns = metric_columns(exp) + [(key, key, ".4g") for key in extra]
+    columns = metric_columns(exp.algorithm) + [(key, key, ".4g") for key in extra]
     rows = []
     for k in run.iterations_present():
         found = {s: commit.read_manifest(run.stage_dir(k, s)) for s in ORDER}
@@ -182,7 +182,7 @@ def render_table(df: pl.DataFrame, exp: Experiment, fmt: str) -> str:
         return json.dumps(_clean(df.to_dicts()), indent=1)
     if fmt == "csv":
         return df.write_csv().rstrip("\n")
-    cols = metric_columns(exp)
+    cols = metric_columns(exp.algorithm)
     return _text_table(df, {k: f for k, _, f in cols}, {k: h for k, h, _ in cols})
 
 

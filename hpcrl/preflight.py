@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hpcrl import data, disk_budget, model_check, rewards
 from hpcrl.config import ConfigError, Experiment
+from hpcrl.config_training import CriticConfig, ModelConfig, RunConfig
 from hpcrl.stage_kinds import ORDER
 
 # Files that hold a tokenizer's vocabulary (without one, transformers builds an empty tokenizer).
@@ -17,17 +18,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.mo
                    "tekken.json")
 
 
-def _check_model(exp: Experiment) -> tuple[list[str], dict | None]:
+def _check_model(model: ModelConfig) -> tuple[list[str], dict | None]:
     """config.json, the weights (present, complete, matching their index) and the limits on them."""
-    problems, cfg = model_check.read_config(exp.model.path, "model.path")
+    problems, cfg = model_check.read_config(model.path, "model.path")
     if cfg is None:
         return problems, None
-    problems, shapes = model_check.weight_shapes(exp.model.path, "model.path")
-    return problems + model_check.limit_problems(cfg, shapes, exp.model.max_model_len, exp.model.path), cfg
+    problems, shapes = model_check.weight_shapes(model.path, "model.path")
+    return problems + model_check.limit_problems(cfg, shapes, model.max_model_len, model.path), cfg
 
 
-def _check_critic(exp: Experiment) -> list[str]:
-    path = exp.algorithm.critic.path if exp.algorithm.critic is not None else ""
+def _check_critic(critic: CriticConfig | None) -> list[str]:
+    path = critic.path if critic is not None else ""
     if not path:
         return []
     problems, cfg = model_check.read_config(path, "algorithm.critic.path")
@@ -181,9 +182,9 @@ def _check_slurm(exp: Experiment) -> list[str]:
     return problems
 
 
-def _check_runs_root(exp: Experiment) -> list[str]:
+def _check_runs_root(run: RunConfig) -> list[str]:
     """run.runs_root: a directory this user can write in, or one that can be created."""
-    root = Path(exp.run.runs_root)
+    root = Path(run.runs_root)
     existing = next(p for p in (root, *root.parents) if p.exists())
     if not existing.is_dir():
         return [f"run.runs_root: {root}: {existing} is not a directory"]
@@ -195,13 +196,13 @@ def _check_runs_root(exp: Experiment) -> list[str]:
 def check(exp: Experiment, source: str) -> list[str]:
     """Raise ConfigError listing every problem found in the experiment `source`; return notes
     for the user (prompts dropped by the length filter)."""
-    problems, model_cfg = _check_model(exp)
-    problems += _check_runs_root(exp)
+    problems, model_cfg = _check_model(exp.model)
+    problems += _check_runs_root(exp.run)
     # AutoTokenizer reads the model's config.json too: its problem is reported already
     tok_problems, tok = ([], None) if model_cfg is None and not exp.model.tokenizer else \
         _check_tokenizer(exp, model_cfg)
     data_problems, notes = _check_data(exp, tok)
-    problems += (tok_problems + data_problems + _check_algorithm(exp) + _check_critic(exp)
+    problems += (tok_problems + data_problems + _check_algorithm(exp) + _check_critic(exp.algorithm.critic)
                  + _check_rewards(exp) + _check_batch(exp) + _check_slurm(exp) + _check_memory(exp))
     if not problems:  # the disk budget is only worth a look for a run that can start
         disk_problems, disk_notes = disk_budget.check(exp)
