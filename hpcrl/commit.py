@@ -172,15 +172,19 @@ def commit(stage_dir: Path, writer: StageWriter, manifest: dict) -> dict:
     return full
 
 
-def lineage(stage_dir: Path, manifest: dict | None = None) -> list[str]:
+def lineage(stage_dir: Path, manifest: dict | None = None, absent_ok: bool = False) -> list[str]:
     """Problems with the inputs a committed output records: each must be committed, and be the
-    output it was computed from (the digest of its manifest). Reads manifests only: cheap."""
+    output it was computed from (the digest of its manifest). Reads manifests only: cheap. With
+    `absent_ok`, an input that is not in this tree at all is no problem (a replay links only the
+    stage's direct inputs, whose lineage it checked in the run they come from)."""
     manifest = read_manifest(stage_dir) if manifest is None else manifest
     problems = []
     # "generate@iter_000003": the digest of that input's manifest
     for name, digest in (manifest or {}).get("inputs", {}).items():
         stage, iteration_dir = name.split("@", 1)
         source = stage_dir.parent.parent / iteration_dir / stage
+        if absent_ok and not source.exists():
+            continue
         if not is_committed(source):
             problems.append(f"{stage_dir}: its input {source} is not committed")
         elif manifest_digest(source) != digest:

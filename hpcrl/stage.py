@@ -86,7 +86,8 @@ class StageContext:
         d = self.run.stage_dir(self.iteration if iteration is None else iteration, stage)
         if not commit.is_committed(d):
             raise commit.CorruptOutputError(f"{d}: input of {self.stage} is not committed")
-        problems = commit.lineage(d)  # its files are checked where they are read (read_table, verified)
+        # its files are checked where they are read (read_table, verified)
+        problems = commit.lineage(d, absent_ok=True)
         if problems:
             raise commit.CorruptOutputError(f"input of {self.stage}: " + "; ".join(problems))
         self.inputs[f"{stage}@{d.parent.name}"] = commit.manifest_digest(d)
