@@ -23,7 +23,7 @@ from hpcrl.batches import Samples, micro_batches, padded, response_outputs, resp
 from hpcrl.config import Experiment
 from hpcrl.stage import StageContext
 
-STAT_NAMES = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_ref", "entropy")
+STAT_NAMES = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_ref", "entropy", "is_weight_mean")
 
 
 @dataclass
@@ -52,7 +52,7 @@ class Actor:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype)
         self.engine = trainer.make_engine(model, u.lr, exp, world_size, grad_accum, state_dir)
-        self.policy_loss = losses.policy_loss(exp.algorithm)
+        self.policy_loss = losses.policy_loss(exp.algorithm, exp.generate.max_tokens)
         self.ref_model = None
         if exp.algorithm.kl.coef > 0:
             self.ref_model = AutoModelForCausalLM.from_pretrained(exp.model.path, dtype=dtype).to(
@@ -85,6 +85,7 @@ class Actor:
                             exp.update.micro_batch_size, self.pad_id, exp.update.share_prompts)
         scale = self.world_size * len(mbs)  # undo DeepSpeed's mean over ranks and micro-batches
         sums = dict.fromkeys(STAT_NAMES, 0.0)
+        weight_max = 0.0
         fresh_old = {}
         for mb in mbs:
             mb = mb.to(engine.device)
@@ -106,10 +107,12 @@ class Actor:
                                          "update is not committed and the run stays at the last good "
                                          "policy version")
             engine.backward(out.loss * scale)
-            _accumulate(sums, out, logits, token_entropy, mb.mask, n_tokens)
+            _accumulate(sums, out, logits, token_entropy, mb.mask, (n_tokens, len(mini)))
+            weight_max = max(weight_max, out.weight_max.item())
             grad_norm = trainer.engine_step(engine)
         stats = dict(zip(STAT_NAMES, trainer.all_sum([sums[k] for k in STAT_NAMES]), strict=True))
-        stats.update(grad_norm=grad_norm, lr=engine.get_lr()[0], tokens=n_tokens)
+        stats.update(grad_norm=grad_norm, lr=engine.get_lr()[0], tokens=n_tokens,
+                     is_weight_max=trainer.all_max(weight_max))
         if inputs.old is None:
             stats["old"] = trainer.all_gather_rows(fresh_old)
         return stats
@@ -159,15 +162,19 @@ class Actor:
 
 
 def _accumulate(sums: dict[str, float], out: losses.PolicyLoss, logits: torch.Tensor,
-                token_entropy: torch.Tensor | None, mask: torch.Tensor, n_tokens: int) -> None:
-    """Add one micro-batch's share of the step's statistics (token means over the mini-batch)."""
+                token_entropy: torch.Tensor | None, mask: torch.Tensor, totals: tuple[int, int]) -> None:
+    """Add one micro-batch's share of the step's statistics: token means over the mini-batch's
+    `totals` (tokens, sequences), or sequence means for a loss that clips sequences."""
+    n_tokens, n_seqs = totals
     tokens = float(mask.sum())
+    share = tokens / n_tokens if out.level == "token" else float((mask.sum(-1) > 0).sum()) / n_seqs
     with torch.no_grad():
         ent = losses.token_sum(token_entropy if token_entropy is not None else losses.entropy(logits),
                                mask).item()
     sums["loss"] += out.loss.item()
     sums["pg_loss"] += out.pg_loss.item()
-    sums["pg_clipfrac"] += out.clipfrac.item() * tokens / n_tokens
+    sums["pg_clipfrac"] += out.clipfrac.item() * share
+    sums["is_weight_mean"] += out.weight_mean.item() * share
     sums["ppo_kl"] += out.ppo_kl.item() * tokens / n_tokens
     sums["kl_ref"] += out.kl_ref.item() * tokens / n_tokens
     sums["entropy"] += ent / n_tokens

@@ -1,15 +1,22 @@
 """Advantage estimators: pure functions from rewards (and values) to advantages.
 
 A registry maps the config's `algorithm.name` to an outcome-reward estimator, so adding one is one
-decorated function here plus its test. No I/O here.
+decorated function here plus its test. Every estimator is called with the samples' rewards, their
+group ids and response lengths (tokens) and the keywords `norm_by_std`, `eps` and `gamma`, and
+returns one advantage per sample ([n]) or, when the advantage varies along a response, one per
+token (a list of per-token lists). No I/O here.
 
-| name | advantage of sample i in group g | from |
-|---|---|---|
-| grpo | (r_i - mean_g) / (std_g + eps) | Shao et al. 2024; Liu et al. 2025 |
-| rloo | r_i - mean of the other samples of g | Ahmadian et al. 2024 |
-| reinforce_pp | r_i - mean_g, then whitened over the whole batch | Hu 2025 (REINFORCE++-baseline) |
+| name (verl's `adv_estimator` too) | advantage of sample i in group g |
+|---|---|
+| grpo | (r_i - mean_g) / (std_g + eps) |
+| rloo | r_i - mean of the other samples of g |
+| reinforce_plus_plus_baseline | r_i - mean_g, whitened over the batch's tokens |
+| reinforce_plus_plus | per-token discounted returns gamma^(T-1-t) r_i, whitened over tokens |
+| gpg | (n / #nonzero rewards) (r_i - mean_g) |
 
-grpo without the division (norm_by_std false) is Dr.GRPO (Liu et al. 2025).
+grpo without the division (norm_by_std false) is Dr.GRPO (Liu et al. 2025); `reinforce_pp` is
+the older name of reinforce_plus_plus_baseline (Hu 2025). Whitening over tokens weighs each sample
+by its response length, as verl does.
 
 PPO with a critic (`algorithm.name = "ppo"`, not in the registry: it needs values) uses the
 token-level functions at the end: `token_rewards` (outcome on the last token, KL penalty on every
@@ -42,7 +49,7 @@ def _groups(rewards: torch.Tensor, group_ids: torch.Tensor):
 
 @register("grpo")
 def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True,
-         eps: float = 1e-6) -> torch.Tensor:
+         eps: float = 1e-6, **_) -> torch.Tensor:
     """(r - mean_group(r)) / (std_group(r) + eps); without the division when `norm_by_std` is False.
 
     The std is the unbiased sample std, as in verl and the GRPO paper's reference code. A group
@@ -70,19 +77,60 @@ def rloo(rewards: torch.Tensor, group_ids: torch.Tensor, **_) -> torch.Tensor:
     return torch.where(n > 1, rewards - others, torch.zeros_like(rewards)).to(torch.float32)
 
 
+def _token_whiten(per_sample: torch.Tensor, lengths: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Whiten a per-sample value repeated on each of its response tokens, over all the batch's
+    tokens (masked_whiten of the token matrix, computed per sample): length-weighted mean and
+    unbiased variance. A sample without tokens gets 0."""
+    w = lengths.to(torch.float64)
+    n = w.sum()
+    mean = (w * per_sample).sum() / n.clamp(min=1)
+    var = (w * (per_sample - mean) ** 2).sum() / (n - 1).clamp(min=1)
+    return torch.where(w > 0, (per_sample - mean) * torch.rsqrt(var + eps), torch.zeros_like(per_sample))
+
+
+@register("reinforce_plus_plus_baseline")
 @register("reinforce_pp")
-def reinforce_pp(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6, **_) -> torch.Tensor:
-    """REINFORCE++ with baseline: group-centred rewards, whitened over the batch (unbiased std)."""
+def reinforce_pp_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor,
+                          **_) -> torch.Tensor:
+    """REINFORCE++ with baseline: group-centred rewards, whitened over the batch's response tokens."""
     centred = grpo(rewards, group_ids, norm_by_std=False).to(torch.float64)
-    std = centred.std() if centred.numel() > 1 else torch.zeros((), dtype=torch.float64)
-    return ((centred - centred.mean()) / (std + eps)).to(torch.float32)
+    return _token_whiten(centred, lengths).to(torch.float32)
 
 
-def compute(name: str, rewards: torch.Tensor, group_ids: torch.Tensor,
-            norm_by_std: bool = True) -> torch.Tensor:
+@register("reinforce_plus_plus")
+def reinforce_plus_plus(rewards: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor,
+                        gamma: float = 1.0, **_) -> torch.Tensor | list[list[float]]:
+    """REINFORCE++ (no baseline): the discounted return of each response token, gamma^(T-1-t) r
+    for an outcome reward r on the last of T tokens, whitened over the batch's tokens. Per sample
+    when gamma is 1 (every token of a response has the same return), else per token."""
+    rewards = rewards.to(torch.float64)
+    if gamma == 1.0:
+        return _token_whiten(rewards, lengths).to(torch.float32)
+    width = int(lengths.max()) if lengths.numel() else 0
+    t = torch.arange(width, dtype=torch.float64)
+    mask = t < lengths.unsqueeze(-1)
+    exponent = (lengths.unsqueeze(-1) - 1 - t).clamp(min=0)
+    returns = rewards.unsqueeze(-1) * gamma ** exponent * mask
+    white = masked_whiten(returns, mask)
+    return [white[i, : int(lengths[i])].tolist() for i in range(len(rewards))]
+
+
+@register("gpg")
+def gpg(rewards: torch.Tensor, group_ids: torch.Tensor, **_) -> torch.Tensor:
+    """GPG (Chu et al. 2025): group-centred rewards scaled by n / (samples with a nonzero reward),
+    as verl counts them."""
+    alpha = rewards.numel() / max(int(torch.count_nonzero(rewards)), 1)
+    return (alpha * grpo(rewards, group_ids, norm_by_std=False).to(torch.float64)).to(torch.float32)
+
+
+def compute(name: str, rewards: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor, *,
+            norm_by_std: bool = True, eps: float = 1e-6,
+            gamma: float = 1.0) -> torch.Tensor | list[list[float]]:
+    """The advantages of estimator `name`: per sample ([n]) or per token (lists by sample)."""
     if name not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ESTIMATORS)}")
-    return ESTIMATORS[name](rewards, group_ids, norm_by_std=norm_by_std)
+    return ESTIMATORS[name](rewards, group_ids, lengths=lengths, norm_by_std=norm_by_std, eps=eps,
+                            gamma=gamma)
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,

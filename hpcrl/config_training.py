@@ -109,21 +109,30 @@ class CriticConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    name: str = Field("grpo", description="Advantage estimator: grpo, rloo or reinforce_pp from outcome "
-                      "rewards and groups (the registry in hpcrl/advantages.py); ppo: GAE with a learned "
-                      "critic ([algorithm.critic], hpcrl/critic.py).")
+    name: str = Field("grpo", description="Advantage estimator: grpo, rloo, reinforce_plus_plus_baseline "
+                      "(also reinforce_pp), reinforce_plus_plus or gpg from outcome rewards and groups (the "
+                      "registry in hpcrl/advantages.py); ppo: GAE with a learned critic ([algorithm.critic], "
+                      "hpcrl/critic.py).")
     group_size: int = Field(8, ge=1, description="Samples per prompt (the GRPO group; 1 only with ppo).")
     prompts_per_iteration: int = Field(32, ge=1, description="Prompts drawn per iteration.")
     norm_adv_by_std: bool = Field(True, description="Divide group-centred rewards by the group's std (False: "
                                   "Dr.GRPO); ppo: whiten the token advantages over the batch.")
+    std_eps: float = Field(1e-6, gt=0, description="grpo: added to the group's reward std before dividing "
+                           "(verl 1e-6, TRL 1e-4).")
+    reinforce_gamma: float = Field(1.0, ge=0, le=1, description="reinforce_plus_plus: discount of the "
+                                   "per-token returns (verl's algorithm.gamma; ppo's GAE takes "
+                                   "algorithm.critic.gamma).")
     policy_loss: str = Field("ppo_clip", description="Policy loss (the registry in hpcrl/losses.py): "
-                             "ppo_clip, PPO's clipped surrogate with the clip keys below.")
+                             "ppo_clip (PPO's clipped surrogate), gspo (sequence-level ratio and clip), "
+                             "cispo (clipped importance weight, stop-gradient) or gpg (no ratio).")
     clip_ratio: float = Field(0.2, gt=0, description="PPO clip range epsilon (the lower side when "
                               "clip_ratio_high is set).")
     clip_ratio_high: float = Field(0.0, ge=0, description="Upper clip range (clip-higher, e.g. 0.28); 0: "
                                    "same as clip_ratio.")
     dual_clip_c: float = Field(0.0, ge=0, description="Dual-clip constant c > 1 capping the loss of negative "
                                "advantages; 0: off.")
+    max_log_ratio: float = Field(20.0, gt=0, description="ppo_clip and cispo clamp log(pi / pi_old) to "
+                                 "[-max_log_ratio, max_log_ratio] before exp (verl's 20).")
     old_logprobs: Literal["recompute", "sampler"] = Field(
         "recompute", description="The old policy's logprobs in the PPO ratio: `recompute` them with the "
         "trainer (a forward pass before the first step over every mini-batch but the first, whose own "
@@ -131,8 +140,10 @@ class AlgorithmConfig(Section):
         "needs them before any step), or take the `sampler`'s (vLLM's, verl's bypass mode): one forward pass "
         "fewer, and the ratio then corrects for any sampler/trainer mismatch.")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus in the loss (0: none).")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
-        "token-mean", description="Loss aggregation (hpcrl/losses.py).")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                      "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="Loss aggregation (hpcrl/losses.py); seq-mean-token-sum-norm divides each "
+        "sequence's token sum by generate.max_tokens (Dr.GRPO). gspo always aggregates seq-mean-token-mean.")
     dynamic_sampling: bool = Field(False, description="DAPO dynamic sampling (hpcrl/dynamic_sampling.py): "
                                    "sample prompts in rounds and train on groups whose rewards are not all "
                                    "equal, prompts_per_iteration of them.")
@@ -153,6 +164,9 @@ class AlgorithmConfig(Section):
                                      f"got {self.group_size}")
         if self.name != "ppo" and self.critic is not None:
             raise Rule("critic", f"only algorithm.name = \"ppo\" has a critic (name is {self.name!r})")
+        if self.reinforce_gamma != 1.0 and self.name != "reinforce_plus_plus":
+            raise Rule("reinforce_gamma", "only algorithm.name = \"reinforce_plus_plus\" discounts its "
+                                          f"returns (name is {self.name!r}; ppo's GAE: critic.gamma)")
         if self.name != "ppo" and self.kl.mode == "reward":
             raise Rule("kl.mode", f"only algorithm.name = \"ppo\" has token-level rewards (name is "
                                   f"{self.name!r})")

@@ -79,6 +79,9 @@ UPDATE_STATS = pa.schema(
         pa.field("ppo_kl", pa.float64()),
         pa.field("kl_ref", pa.float64()),
         pa.field("entropy", pa.float64()),
+        # the importance weight pi / pi_old: per token, or per sequence (gspo)
+        pa.field("is_weight_mean", pa.float64()),
+        pa.field("is_weight_max", pa.float64()),
         pa.field("grad_norm", pa.float64()),
         pa.field("lr", pa.float64()),
         pa.field("tokens", pa.int64()),

@@ -123,6 +123,13 @@ def all_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def all_max(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def all_gather_rows(local: dict[int, list[float]]) -> dict[int, list[float]]:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return local

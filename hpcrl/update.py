@@ -33,7 +33,7 @@ class UpdateState:
 
     old: Rows  # the old policy's logprobs (the first step adds its own when it computes them)
     ref: Rows | None  # the reference policy's logprobs
-    adv: torch.Tensor | Rows  # one advantage per sample, or per token by row (ppo)
+    adv: torch.Tensor | Rows  # one advantage per sample, or per token by row (ppo, discounted returns)
     old_values: Rows | None = None  # ppo: the critic's values before its steps
     returns: Rows | None = None  # ppo: GAE's returns
     control: KLControl | None = None  # the KL controller's record, once the batch's KL is priced
@@ -140,7 +140,11 @@ class Update:
         if ref is not None and not self.own_old:
             kl_tokens, control = self._price_kl(old, ref, metrics)
         if actor.critic is None:
-            adv = advantages.compute(a.name, samples.rewards, samples.group_ids, a.norm_adv_by_std)
+            lengths = torch.tensor([len(r) for r in samples.response_ids])
+            adv = advantages.compute(a.name, samples.rewards, samples.group_ids, lengths,
+                                     norm_by_std=a.norm_adv_by_std, eps=a.std_eps, gamma=a.reinforce_gamma)
+            if isinstance(adv, list):  # per token (reinforce_plus_plus with gamma < 1)
+                adv = dict(enumerate(adv))
             return UpdateState(old, ref, adv, control=control, metrics=metrics)
         reward_coef = control.kl_coef if control is not None and a.kl.mode == "reward" else 0.0
         adv, old_values, returns = self._gae(mask, kl_tokens, reward_coef, metrics)
@@ -269,6 +273,7 @@ def update_metrics(stats: list[dict], samples: batches.Samples, old: dict,
                                    for i in range(len(samples))] or [np.zeros(0)]))
     names = {"loss": "actor/loss", "pg_loss": "actor/pg_loss", "pg_clipfrac": "actor/pg_clipfrac",
              "ppo_kl": "actor/ppo_kl", "kl_ref": "actor/kl_loss", "entropy": "actor/entropy",
+             "is_weight_mean": "actor/is_weight_mean",
              "grad_norm": "actor/grad_norm", "lr": "actor/lr", "vf_loss": "critic/vf_loss",
              "vf_clipfrac": "critic/vf_clipfrac", "vf_grad_norm": "critic/grad_norm"}
     out = {}
@@ -276,6 +281,9 @@ def update_metrics(stats: list[dict], samples: batches.Samples, old: dict,
         values = [s[key] for s in stats if s.get(key) is not None]
         if values:
             out[name] = float(np.mean(values))
+    weight_max = [s["is_weight_max"] for s in stats if s.get("is_weight_max") is not None]
+    if weight_max:
+        out["actor/is_weight_max"] = float(max(weight_max))
     tokens = sum(s.get("tokens") or 0 for s in stats)
     return {
         **out,

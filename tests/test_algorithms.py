@@ -112,19 +112,14 @@ def test_rloo_subtracts_the_mean_of_the_other_samples():
     assert adv.tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
 
 
-def test_reinforce_pp_whitens_group_centred_rewards_over_the_batch():
-    adv = advantages.reinforce_pp(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1]), eps=0.0)
-    s = math.sqrt((0.25 + 0.25) / 3)  # centred (0.5, -0.5, 0, 0): mean 0, unbiased std sqrt(1/6)
-    assert adv.tolist() == pytest.approx([0.5 / s, -0.5 / s, 0.0, 0.0])
-
-
 def test_estimator_registry_names_every_estimator():
-    assert set(advantages.ESTIMATORS) == {"grpo", "rloo", "reinforce_pp"}
-    r, g = torch.tensor([1.0, 0.0]), torch.tensor([0, 0])
+    assert set(advantages.ESTIMATORS) == {"grpo", "rloo", "reinforce_pp", "reinforce_plus_plus_baseline",
+                                          "reinforce_plus_plus", "gpg"}
+    r, g, n = torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), torch.tensor([3, 3])
     # Dr.GRPO
-    assert advantages.compute("grpo", r, g, norm_by_std=False).tolist() == pytest.approx([0.5, -0.5])
+    assert advantages.compute("grpo", r, g, n, norm_by_std=False).tolist() == pytest.approx([0.5, -0.5])
     with pytest.raises(ValueError, match="unknown advantage estimator 'ppo2'"):
-        advantages.compute("ppo2", r, g)
+        advantages.compute("ppo2", r, g, n)
 
 
 def test_gae_by_hand():
@@ -292,10 +287,10 @@ def test_adaptive_kl_controller_by_hand(tmp_path):
 
 def test_estimators_normalise_by_std_by_default():
     """pins: compute() and grpo() divide by the group std unless told otherwise (norm_by_std=True)."""
-    r, g = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.zeros(4, dtype=torch.long)
+    r, g, n = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.zeros(4, dtype=torch.long), torch.full((4,), 3)
     # mean 0.25, unbiased std 0.5: (0.75, -0.25, -0.25, -0.25) / 0.5
-    assert advantages.compute("grpo", r, g).tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-5)
-    assert (advantages.compute("grpo", r, g, norm_by_std=True).tolist()
+    assert advantages.compute("grpo", r, g, n).tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-5)
+    assert (advantages.compute("grpo", r, g, n, norm_by_std=True).tolist()
             == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-5))
 
 
