@@ -1,7 +1,8 @@
 """The shipped demos learn: `configs/demo.toml` (GRPO) and `configs/demo-ppo.toml` (PPO with a critic),
 run whole as a user runs them (resident mode, real vLLM and DeepSpeed), against the acceptance of the
 spine issue (reward of the last 3 iterations at least 0.3 above the first; validation score up at
-least 0.2) and, for PPO, a critic whose explained variance rises over the run."""
+least 0.2); the GRPO demo with the gspo and cispo policy losses too; and, for PPO, a critic whose
+explained variance rises over the run."""
 
 from __future__ import annotations
 
@@ -19,11 +20,13 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(900)  # about 35 s and 45 s on 2 quiet CPU cores
 
 
-def run_demo(config: str, tiny_task: Path, runs_root: Path):
-    """Submit the config as shipped, with its task paths pointed at the test session's build."""
+def run_demo(config: str, tiny_task: Path, runs_root: Path, **sets):
+    """Submit the config as shipped, with its task paths pointed at the test session's build (and
+    `sets`, dotted keys with "__" for ".", set too)."""
     overrides = {"run.runs_root": runs_root, "model.path": tiny_task / "model",
                  "data.train": tiny_task / "data" / "train.parquet",
-                 "data.test": tiny_task / "data" / "test.parquet"}
+                 "data.test": tiny_task / "data" / "test.parquet",
+                 **{key.replace("__", "."): value for key, value in sets.items()}}
     args = [arg for key, value in overrides.items() for arg in ("--set", f'{key}="{value}"')]
     out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(REPO / "configs" / config), *args],
                          capture_output=True, text=True, timeout=800)
@@ -48,6 +51,18 @@ def test_grpo_demo_learns_the_task(tiny_task, tmp_path):
     assert exp.algorithm.name == "grpo" and exp.executor.mode == "resident"
     assert_learns(exp, table)
     assert "run complete" in out
+
+
+@pytest.mark.parametrize("loss", ["gspo", "cispo"])
+def test_the_demo_learns_with_gspo_and_cispo(loss, tiny_task, tmp_path):
+    exp, table, out = run_demo("demo.toml", tiny_task, tmp_path, algorithm__policy_loss=loss)
+    assert exp.algorithm.policy_loss == loss
+    assert_learns(exp, table)
+    table = inspection.iteration_table(RunDir.at(next(tmp_path.iterdir())), exp,
+                                       ("actor/is_weight_mean", "actor/is_weight_max"))
+    weights = table["actor/is_weight_mean"].drop_nulls().to_list()
+    assert len(weights) == exp.run.iterations and all(0.5 < w < 2.0 for w in weights), weights
+    assert max(table["actor/is_weight_max"].drop_nulls().to_list()) > 1.0  # two mini-batches: the 2nd moved
 
 
 def test_ppo_demo_learns_the_task_and_its_critic_explains_more_and_more(tiny_task, tmp_path):
