@@ -4,7 +4,7 @@ A registry maps the config's `algorithm.name` to an outcome-reward estimator, so
 decorated function here plus its test. Every estimator is called with the samples' rewards, their
 group ids and response lengths (tokens) and the keywords `norm_by_std`, `eps` and `gamma`, and
 returns one advantage per sample ([n]) or, when the advantage varies along a response, one per
-token (a list of per-token lists). No I/O here.
+token (a list of per-token lists); remax also gets `baselines`. No I/O here.
 
 | name (verl's `adv_estimator` too) | advantage of sample i in group g |
 |---|---|
@@ -13,6 +13,7 @@ token (a list of per-token lists). No I/O here.
 | reinforce_plus_plus_baseline | r_i - mean_g, whitened over the batch's tokens |
 | reinforce_plus_plus | per-token discounted returns gamma^(T-1-t) r_i, whitened over tokens |
 | gpg | (n / #nonzero rewards) (r_i - mean_g) |
+| remax | r_i - reward of the prompt's greedy response |
 
 grpo without the division (norm_by_std false) is Dr.GRPO (Liu et al. 2025); `reinforce_pp` is
 the older name of reinforce_plus_plus_baseline (Hu 2025). Whitening over tokens weighs each sample
@@ -123,14 +124,25 @@ def gpg(rewards: torch.Tensor, group_ids: torch.Tensor, **_) -> torch.Tensor:
     return (alpha * grpo(rewards, group_ids, norm_by_std=False).to(torch.float64)).to(torch.float32)
 
 
+@register("remax")
+def remax(rewards: torch.Tensor, group_ids: torch.Tensor, baselines: torch.Tensor | None = None,
+          **_) -> torch.Tensor:
+    """ReMax (Li et al. 2024): r minus the reward of the prompt's greedy response, which the
+    generate stage samples and the score stage scores (split "baseline"); no whitening."""
+    if baselines is None:
+        raise ValueError("remax needs the reward of each prompt's greedy baseline sample (rollouts of split "
+                         "\"baseline\", which the generate stage samples when algorithm.name = \"remax\")")
+    return (rewards.to(torch.float64) - baselines.to(torch.float64)).to(torch.float32)
+
+
 def compute(name: str, rewards: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor, *,
-            norm_by_std: bool = True, eps: float = 1e-6,
-            gamma: float = 1.0) -> torch.Tensor | list[list[float]]:
+            norm_by_std: bool = True, eps: float = 1e-6, gamma: float = 1.0,
+            baselines: torch.Tensor | None = None) -> torch.Tensor | list[list[float]]:
     """The advantages of estimator `name`: per sample ([n]) or per token (lists by sample)."""
     if name not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ESTIMATORS)}")
     return ESTIMATORS[name](rewards, group_ids, lengths=lengths, norm_by_std=norm_by_std, eps=eps,
-                            gamma=gamma)
+                            gamma=gamma, baselines=baselines)
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,

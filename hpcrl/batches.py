@@ -36,6 +36,7 @@ class Samples:
     sampler_logprobs: list[list[float]]
     rewards: torch.Tensor
     group_ids: torch.Tensor
+    baselines: torch.Tensor | None = None  # remax: the reward of each sample's prompt's greedy sample
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -57,7 +58,20 @@ def load_samples(rollouts: pa.Table, scores: pa.Table) -> Samples:
         sampler_logprobs=train["logprobs"].to_pylist(),
         rewards=torch.tensor(s["reward"].to_numpy(), dtype=torch.float64),
         group_ids=torch.tensor(train["prompt_index"].to_numpy()),
+        baselines=_baselines(scores, train["prompt_index"].to_pylist()),
     )
+
+
+def _baselines(scores: pa.Table, prompts: list[int]) -> torch.Tensor | None:
+    """The reward of the greedy baseline sample of each row's prompt (remax); None without any."""
+    rows = scores.filter(pa.compute.equal(scores["split"], "baseline"))
+    if not rows.num_rows:
+        return None
+    by_prompt = dict(zip(rows["prompt_index"].to_pylist(), rows["reward"].to_pylist(), strict=True))
+    missing = sorted(set(prompts) - set(by_prompt))
+    if missing:
+        raise ValueError(f"no greedy baseline sample for the training prompts {missing[:5]}")
+    return torch.tensor([by_prompt[p] for p in prompts], dtype=torch.float64)
 
 
 @dataclass

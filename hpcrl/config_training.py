@@ -109,11 +109,13 @@ class CriticConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    name: str = Field("grpo", description="Advantage estimator: grpo, rloo, reinforce_plus_plus_baseline "
-                      "(also reinforce_pp), reinforce_plus_plus or gpg from outcome rewards and groups (the "
+    name: str = Field("grpo", description="Advantage estimator: grpo, rloo, "
+                      "reinforce_plus_plus_baseline (also reinforce_pp), reinforce_plus_plus or gpg from "
+                      "outcome rewards and groups, remax against a greedy sample of each prompt (the "
                       "registry in hpcrl/advantages.py); ppo: GAE with a learned critic ([algorithm.critic], "
                       "hpcrl/critic.py).")
-    group_size: int = Field(8, ge=1, description="Samples per prompt (the GRPO group; 1 only with ppo).")
+    group_size: int = Field(8, ge=1, description="Samples per prompt (the GRPO group; 1 only with ppo or "
+                            "remax).")
     prompts_per_iteration: int = Field(32, ge=1, description="Prompts drawn per iteration.")
     norm_adv_by_std: bool = Field(True, description="Divide group-centred rewards by the group's std (False: "
                                   "Dr.GRPO); ppo: whiten the token advantages over the batch.")
@@ -159,11 +161,14 @@ class AlgorithmConfig(Section):
     def _consistent(self) -> AlgorithmConfig:
         if 0 < self.dual_clip_c <= 1:
             raise Rule("dual_clip_c", f"expected 0 (off) or a value above 1, got {self.dual_clip_c}")
-        if self.group_size < 2 and self.name != "ppo":
+        if self.group_size < 2 and self.name not in ("ppo", "remax"):
             raise Rule("group_size", f"{self.name} compares samples of one prompt: expected at least 2, "
                                      f"got {self.group_size}")
         if self.name != "ppo" and self.critic is not None:
             raise Rule("critic", f"only algorithm.name = \"ppo\" has a critic (name is {self.name!r})")
+        if self.name == "remax" and self.dynamic_sampling:
+            raise Rule("dynamic_sampling", "remax samples greedy baselines for the round-0 prompts only, "
+                                           "and dynamic sampling draws more rounds: set one of them off")
         if self.reinforce_gamma != 1.0 and self.name != "reinforce_plus_plus":
             raise Rule("reinforce_gamma", "only algorithm.name = \"reinforce_plus_plus\" discounts its "
                                           f"returns (name is {self.name!r}; ppo's GAE: critic.gamma)")

@@ -1,9 +1,10 @@
 """DAPO dynamic sampling (Yu et al. 2025): sample in rounds until the update batch holds
 `algorithm.prompts_per_iteration` groups whose rewards are not all equal.
 
-A group whose rewards are all equal (every sample right, or every sample wrong) has zero advantage
-under every estimator of hpcrl/advantages.py, so it gives no policy gradient and only dilutes the
-batch. With `algorithm.dynamic_sampling = true` the generate stage of a training iteration runs
+A group whose rewards are all equal (every sample right, or every sample wrong) has zero
+advantage under every group-centred estimator of hpcrl/advantages.py, so it gives no policy
+gradient and only dilutes the batch. With `algorithm.dynamic_sampling = true` the generate stage
+of a training iteration runs
 
     for round r = 0, 1, ... < algorithm.max_sampling_rounds:
         draw prompts_per_iteration prompts that no earlier round of this iteration drew

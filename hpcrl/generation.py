@@ -12,7 +12,7 @@ import os
 import stat
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -193,7 +193,12 @@ def generate(ctx, llm, version: int, pool=None, await_policy: Callable[[], None]
         tables.append(rounds.table)
         ctx.writer.metrics.update(rounds.metrics)
     elif prompts is not None:
-        tables.append(sample_train(draw(0), 0))
+        requests = draw(0)
+        tables.append(sample_train(requests, 0))
+        if a.name == "remax":  # the greedy baseline of each prompt: scored, not trained on
+            with ctx.timed("compute"):
+                tables.append(sample(llm, [replace(r, split="baseline") for r in requests], 1, 0.0,
+                                     1.0, g.max_tokens, ctx.seed, k, version))
     if val:
         with ctx.timed("compute"):
             tables.append(sample(llm, list(val), 1, 0.0, 1.0, g.max_tokens, ctx.seed, k, version))

@@ -20,7 +20,7 @@ SAMPLE_KEYS = ("split", "prompt_index", "sample_index")
 ROLLOUTS = pa.schema(
     [
         pa.field("iteration", pa.int32(), nullable=False),
-        pa.field("split", pa.string(), nullable=False),  # "train" or "val"
+        pa.field("split", pa.string(), nullable=False),  # "train", "val", or "baseline" (remax's greedy)
         pa.field("prompt_index", pa.int64(), nullable=False),  # row in the dataset of that split
         pa.field("sample_index", pa.int32(), nullable=False),  # index within the prompt's group
         pa.field("data_source", pa.string()),

@@ -72,7 +72,7 @@ def score(rollouts: pa.Table, sources: dict[str, rewards.Source], weights: dict[
                                            f"{r['sample_index']}; nothing is committed") from None
         components = {**s.components, "truncated": float(r["finish_reason"] == "length")}
         reward = s.reward
-        if overlong_buffer and r["split"] == "train":
+        if overlong_buffer and r["split"] != "val":  # training samples and remax's baselines
             components["overlong"] = rewards.overlong_penalty(len(r["response_ids"]), max_tokens,
                                                               overlong_buffer, overlong_factor)
             reward += components["overlong"]
@@ -127,6 +127,9 @@ def metrics(rollouts: pa.Table, scores: pa.Table) -> dict[str, float]:
     if len(train):
         out.update({"critic/score/mean": train.mean(), "critic/score/max": train.max(),
                     "critic/score/min": train.min()})
+    baseline = df.filter(pl.col("split") == "baseline")["reward"]
+    if len(baseline):
+        out["remax/baseline_score"] = baseline.mean()
     val = df.filter(pl.col("split") == "val")
     if len(val):
         out["val/score"] = val["reward"].mean()

@@ -142,7 +142,8 @@ class Update:
         if actor.critic is None:
             lengths = torch.tensor([len(r) for r in samples.response_ids])
             adv = advantages.compute(a.name, samples.rewards, samples.group_ids, lengths,
-                                     norm_by_std=a.norm_adv_by_std, eps=a.std_eps, gamma=a.reinforce_gamma)
+                                     norm_by_std=a.norm_adv_by_std, eps=a.std_eps, gamma=a.reinforce_gamma,
+                                     baselines=samples.baselines)
             if isinstance(adv, list):  # per token (reinforce_plus_plus with gamma < 1)
                 adv = dict(enumerate(adv))
             return UpdateState(old, ref, adv, control=control, metrics=metrics)

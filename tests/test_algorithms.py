@@ -114,7 +114,7 @@ def test_rloo_subtracts_the_mean_of_the_other_samples():
 
 def test_estimator_registry_names_every_estimator():
     assert set(advantages.ESTIMATORS) == {"grpo", "rloo", "reinforce_pp", "reinforce_plus_plus_baseline",
-                                          "reinforce_plus_plus", "gpg"}
+                                          "reinforce_plus_plus", "gpg", "remax"}
     r, g, n = torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), torch.tensor([3, 3])
     # Dr.GRPO
     assert advantages.compute("grpo", r, g, n, norm_by_std=False).tolist() == pytest.approx([0.5, -0.5])

@@ -20,9 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(900)  # about 35 s and 45 s on 2 quiet CPU cores
 
 
-def run_demo(config: str, tiny_task: Path, runs_root: Path, **sets):
+def run_demo(config: str, tiny_task: Path, runs_root: Path, quiet: bool = True, **sets):
     """Submit the config as shipped, with its task paths pointed at the test session's build (and
-    `sets`, dotted keys with "__" for ".", set too)."""
+    `sets`, dotted keys with "__" for ".", set too); `quiet`: the default alerts stay quiet."""
     overrides = {"run.runs_root": runs_root, "model.path": tiny_task / "model",
                  "data.train": tiny_task / "data" / "train.parquet",
                  "data.test": tiny_task / "data" / "test.parquet",
@@ -31,11 +31,16 @@ def run_demo(config: str, tiny_task: Path, runs_root: Path, **sets):
     out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(REPO / "configs" / config), *args],
                          capture_output=True, text=True, timeout=800)
     assert out.returncode == 0, out.stdout + out.stderr
-    [run_dir] = [p for p in runs_root.iterdir() if p.is_dir() and (p / "run.json").is_file()]
-    run = RunDir.at(run_dir)
+    run = run_of(runs_root)
     exp = load(run.config_path)
-    assert "alerts" not in run.read_run_info() and "ALERT" not in out.stdout  # the default alerts stay quiet
+    if quiet:
+        assert "alerts" not in run.read_run_info() and "ALERT" not in out.stdout
     return exp, inspection.iteration_table(run, exp), out.stdout
+
+
+def run_of(runs_root: Path) -> RunDir:
+    [run_dir] = [p for p in runs_root.iterdir() if p.is_dir() and (p / "run.json").is_file()]
+    return RunDir.at(run_dir)
 
 
 def assert_learns(exp, table) -> None:
@@ -55,14 +60,34 @@ def test_grpo_demo_learns_the_task(tiny_task, tmp_path):
 
 @pytest.mark.parametrize("loss", ["gspo", "cispo"])
 def test_the_demo_learns_with_gspo_and_cispo(loss, tiny_task, tmp_path):
-    exp, table, out = run_demo("demo.toml", tiny_task, tmp_path, algorithm__policy_loss=loss)
+    exp, table, out = run_demo("demo.toml", tiny_task, tmp_path, quiet=False, algorithm__policy_loss=loss)
     assert exp.algorithm.policy_loss == loss
     assert_learns(exp, table)
-    table = inspection.iteration_table(RunDir.at(next(tmp_path.iterdir())), exp,
+    table = inspection.iteration_table(run_of(tmp_path), exp,
                                        ("actor/is_weight_mean", "actor/is_weight_max"))
     weights = table["actor/is_weight_mean"].drop_nulls().to_list()
     assert len(weights) == exp.run.iterations and all(0.5 < w < 2.0 for w in weights), weights
     assert max(table["actor/is_weight_max"].drop_nulls().to_list()) > 1.0  # two mini-batches: the 2nd moved
+
+
+def test_the_demo_learns_with_remax_against_its_greedy_baselines(tiny_task, tmp_path):
+    import pyarrow.parquet as pq
+
+    exp, table, _ = run_demo("demo.toml", tiny_task, tmp_path, quiet=False, algorithm__name="remax")
+    assert_learns(exp, table)
+    run = run_of(tmp_path)
+    rollouts = pq.read_table(run.stage_dir(2, "generate") / "rollouts.parquet").to_pylist()
+    scores = {(r["split"], r["prompt_index"], r["sample_index"]): r["reward"]
+              for r in pq.read_table(run.stage_dir(2, "score") / "scores.parquet").to_pylist()}
+    baselines = {r["prompt_index"] for r in rollouts if r["split"] == "baseline"}
+    assert baselines == {r["prompt_index"] for r in rollouts if r["split"] == "train"}  # one per prompt
+    assert len(baselines) == exp.algorithm.prompts_per_iteration
+    adv = pq.read_table(run.stage_dir(2, "update") / "advantages.parquet").to_pylist()
+    assert len(adv) == exp.algorithm.prompts_per_iteration * exp.algorithm.group_size  # baselines not trained
+    for row in adv:
+        expected = scores[("train", row["prompt_index"], row["sample_index"])] - scores[
+            ("baseline", row["prompt_index"], 0)]
+        assert row["advantage"] == pytest.approx(expected, abs=1e-6)
 
 
 def test_ppo_demo_learns_the_task_and_its_critic_explains_more_and_more(tiny_task, tmp_path):

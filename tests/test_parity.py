@@ -192,3 +192,24 @@ def test_a_discount_is_refused_where_no_estimator_takes_it():
     assert AlgorithmConfig(name="reinforce_plus_plus", reinforce_gamma=0.9).reinforce_gamma == 0.9
     with pytest.raises(ValidationError, match="only algorithm.name = \"reinforce_plus_plus\" discounts"):
         AlgorithmConfig(name="grpo", reinforce_gamma=0.9)
+
+
+def test_remax_subtracts_the_greedy_baseline():
+    r, b = torch.tensor([1.0, 0.0, 1.0, 0.5]), torch.tensor([1.0, 1.0, 0.0, 0.0])
+    adv = advantages.compute("remax", r, torch.tensor([0, 0, 1, 1]), torch.ones(4), baselines=b)
+    assert adv.tolist() == pytest.approx([0.0, -1.0, 1.0, 0.5])
+    with pytest.raises(ValueError, match="greedy baseline"):
+        advantages.compute("remax", r, torch.tensor([0, 0, 1, 1]), torch.ones(4))
+
+
+def test_remax_baselines_are_read_from_the_scores_by_prompt():
+    import pyarrow as pa
+
+    from hpcrl.batches import _baselines
+
+    scores = pa.table({"split": ["train", "train", "baseline", "baseline", "val"],
+                       "prompt_index": [7, 3, 3, 7, 0], "reward": [1.0, 0.0, 0.25, 0.75, 1.0]})
+    assert _baselines(scores, [7, 3, 7]).tolist() == [0.75, 0.25, 0.75]
+    with pytest.raises(ValueError, match=r"no greedy baseline sample for the training prompts \[5\]"):
+        _baselines(scores, [5, 3])
+    assert _baselines(scores.filter(pa.compute.not_equal(scores["split"], "baseline")), [7]) is None
