@@ -30,6 +30,21 @@ def node_states() -> dict[str, str]:
     return dict(line.split() for line in out.splitlines() if line.strip())
 
 
+def idle_states(timeout: float = 15) -> dict[str, str]:
+    """The nodes' states once all are idle, or the last seen after `timeout` s (a previous test's
+    job may still be completing: tests run in random order)."""
+    deadline, states = time.time() + timeout, {}
+    while time.time() < deadline:
+        try:
+            states = node_states()
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+            pytest.fail(f"sinfo failed ({getattr(e, 'stderr', '') or e}); {START_HINT}", pytrace=False)
+        if len(states) == NODES and set(states.values()) == {"idle"}:
+            break
+        time.sleep(0.5)
+    return states
+
+
 @pytest.fixture(scope="module", autouse=True)
 def cluster() -> None:
     """Fail (not skip) unless sinfo exists and all NODES nodes are idle (within a few seconds)."""
@@ -37,16 +52,10 @@ def cluster() -> None:
         pytest.skip("HPCRL_NO_SLURM=1: no local Slurm cluster on this machine")
     if shutil.which("sinfo") is None:
         pytest.fail(f"sinfo not found: Slurm is not installed; {START_HINT}", pytrace=False)
-    deadline, states = time.time() + 15, {}
-    while time.time() < deadline:  # a previous test's job may still be completing
-        try:
-            states = node_states()
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
-            pytest.fail(f"sinfo failed ({getattr(e, 'stderr', '') or e}); {START_HINT}", pytrace=False)
-        if len(states) == NODES and set(states.values()) == {"idle"}:
-            return
-        time.sleep(0.5)
-    pytest.fail(f"expected {NODES} idle nodes, sinfo shows {states or 'none'}; {START_HINT}", pytrace=False)
+    states = idle_states()
+    if len(states) != NODES or set(states.values()) != {"idle"}:
+        pytest.fail(f"expected {NODES} idle nodes, sinfo shows {states or 'none'}; {START_HINT}",
+                    pytrace=False)
 
 
 def submit(tmp_path: Path, *args: str, wrap: str) -> tuple[str, Path]:
@@ -68,7 +77,7 @@ def wait_state(job_id: str, timeout: float = 30) -> str:
 
 
 def test_sinfo_shows_two_idle_nodes():
-    states = node_states()
+    states = idle_states()
     assert states == {f"n{k}": "idle" for k in range(1, NODES + 1)}
     parts = sh("sinfo", "-h", "-o", "%P").split()
     assert {"debug*", "cpu", "gpu"} <= set(parts), parts
