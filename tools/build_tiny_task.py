@@ -9,9 +9,9 @@ DIR defaults to $HPCRL_TINY_TASK_DIR, else <repo>/.cache/tiny-addition. It recei
 
 The prompts are sums of 2-digit numbers: three quarters of two terms ("37+45="), one quarter of
 three ("12+34+56="), the hard kind. The warm start is three supervised passes:
-correct two-term sums until the model gets them right; a short pass with three-term sums mixed in;
-then a pass where about 60% of the answers are zero-padded to 4 digits ("0082", which earns no
-reward). The model's two-term arithmetic stays mostly right while its greedy exact-match accuracy is
+correct two-term sums until the model gets them right; a short pass with three-term sums and 30%
+zero-padded answers mixed in; then a pass where about 60% of the answers are zero-padded to 4
+digits ("0082", which earns no reward), in rounds until the targets below are met. The model's two-term arithmetic stays mostly right while its greedy exact-match accuracy is
 low but not zero, so GRPO has a format error to fix; three-term sums it rarely gets right, so the
 prompts differ in difficulty and PPO's critic has something to learn (which prompts will fail). The
 build is deterministic (fixed seeds and thread count) and cached: when BUILD.json carries the
@@ -73,14 +73,17 @@ PARAMS: dict[str, Any] = {
     "pad_width": 4,  # the unrewarded format: "0082"
     "passes": {  # supervised passes, in order
         "sft": {"steps": 1000, "lr": 3e-3, "pad_fraction": 0.0, "cosine": True, "three_term_fraction": 0.0},
-        "three_terms": {"steps": 200, "lr": 1e-3, "pad_fraction": 0.0, "cosine": True,
+        # padded answers too, so that the model knows the sums in the padded format
+        "three_terms": {"steps": 200, "lr": 1e-3, "pad_fraction": 0.3, "cosine": True,
                         "three_term_fraction": 0.5},
-        "format": {"steps": 300, "lr": 3e-4, "pad_fraction": 0.6, "cosine": False,
+        "format": {"steps": 50, "lr": 3e-4, "pad_fraction": 0.6, "cosine": False,
                    "three_term_fraction": 0.0},
     },
-    # The format pass goes on, `steps` at a time, until the greedy exact match on two-term sums is at
-    # most this: where a pass ends depends on float rounding, which differs between CPUs.
-    "format_target": {"pairs_greedy": 0.2, "steps": 50, "max_rounds": 20},
+    # The format pass goes on, `steps` at a time, until the greedy exact match on two-term sums is in
+    # `pairs_greedy` and their accuracy after stripping leading zeros at least `pairs_stripped`:
+    # where a pass ends depends on float rounding, which differs between CPUs.
+    "format_target": {"pairs_greedy": [0.05, 0.2], "pairs_stripped": 0.85, "steps": 50,
+                      "max_rounds": 30},
 }
 
 
@@ -309,7 +312,9 @@ def build_model(
         print(f"[tiny-task] after the {name} pass: {accuracy[name]}", flush=True)
     target = PARAMS["format_target"]
     for extra in range(1, target["max_rounds"] + 1):
-        if accuracy["format"]["by_terms"]["2"]["greedy"] <= target["pairs_greedy"]:
+        pairs = accuracy["format"]["by_terms"]["2"]
+        low, high = target["pairs_greedy"]
+        if low <= pairs["greedy"] <= high and pairs["greedy_stripped"] >= target["pairs_stripped"]:
             break
         train(model, tok, pools, rng, **{**PARAMS["passes"]["format"], "steps": target["steps"]})
         accuracy["format"] = evaluate(model, tok, test)
