@@ -14,9 +14,10 @@ zero-padded answers mixed in; then a pass where about 60% of the answers are zer
 digits ("0082", which earns no reward), in rounds until the targets below are met. The model's
 two-term arithmetic stays mostly right while its greedy exact-match accuracy is low but not zero,
 so GRPO has a format error to fix; three-term sums it rarely gets right, so the prompts differ in
-difficulty and PPO's critic has something to learn (which prompts will fail). The build is deterministic (fixed seeds and thread count) and cached: when BUILD.json carries the
-current hash the script exits before importing anything heavy. Files are written to a temporary
-directory beside DIR and renamed into place at the end.
+difficulty and PPO's critic has something to learn (which prompts will fail). The build is
+deterministic (fixed seeds and thread count) and cached: when BUILD.json carries the current hash
+the script exits before importing anything heavy. Files are written to a temporary directory
+beside DIR and renamed into place at the end.
 """
 
 from __future__ import annotations
