@@ -176,11 +176,11 @@ def test_policy_loss_is_built_from_the_config():
     from hpcrl.config import AlgorithmConfig
 
     a = AlgorithmConfig(policy_loss="cispo", clip_ratio=0.1, clip_ratio_high=0.3, max_log_ratio=7.0,
-                        loss_agg="seq-mean-token-sum-norm")
+                        loss_agg="seq-mean-token-sum-norm", dual_clip_c=3.0)
     fn = losses.policy_loss(a, max_tokens=16)
     assert fn.func is losses.policy_loss_of and fn.args == (losses.cispo_surrogate,)
-    assert fn.keywords["params"] == LossParams(0.1, 0.3, None, "k3", "seq-mean-token-sum-norm", 0.0, 7.0, 16)
-    with pytest.raises(ValueError, match="unknown policy loss 'ppo2'"):
+    assert fn.keywords["params"] == LossParams(0.1, 0.3, 3.0, "k3", "seq-mean-token-sum-norm", 0.0, 7.0, 16)
+    with pytest.raises(ValueError, match="'ppo2'; registered: ppo_clip, gspo, cispo, gpg"):
         losses.policy_loss(AlgorithmConfig(policy_loss="ppo2"))
 
 
@@ -213,3 +213,71 @@ def test_remax_baselines_are_read_from_the_scores_by_prompt():
     with pytest.raises(ValueError, match=r"no greedy baseline sample for the training prompts \[5\]"):
         _baselines(scores, [5, 3])
     assert _baselines(scores.filter(pa.compute.not_equal(scores["split"], "baseline")), [7]) is None
+
+
+def test_statistics_leave_out_padding_and_rows_without_tokens():
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, 0.0], [-3.0, -3.0]])
+    old = torch.tensor([[-0.9, -1.8], [-0.4, 0.0], [-1.0, -1.0]])  # every ratio below 1
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]])  # the third row has no response token
+    s0, s1 = math.exp(-0.15), math.exp(-0.1)
+    adv = torch.tensor([-1.0, 1.0, 1.0])  # s0 = 0.861 is below 0.88 with A < 0: clipped
+    seq = losses.policy_loss_of(losses.gspo_surrogate, logp, old, adv, mask, LossParams(clip_ratio=0.12))
+    assert seq.clipfrac.item() == pytest.approx(0.5)
+    assert seq.weight_mean.item() == pytest.approx((s0 + s1) / 2)
+    assert seq.weight_max.item() == pytest.approx(s1)
+    tok = losses.policy_loss_of(losses.cispo_surrogate, logp, old, torch.tensor([1.0, 1.0, 1.0]), mask,
+                                LossParams())
+    assert tok.weight_max.item() == pytest.approx(math.exp(-0.1))  # padding (ratio 1, and exp(-2)) left out
+    assert tok.weight_mean.item() == pytest.approx((math.exp(-0.1) + math.exp(-0.2) + math.exp(-0.1)) / 3)
+    nothing = torch.zeros(3, 2)
+    empty = losses.policy_loss_of(losses.ppo_surrogate, logp, old, torch.ones(3), nothing, LossParams())
+    assert (empty.loss.item(), empty.clipfrac.item(), empty.weight_max.item()) == (0.0, 0.0, 0.0)
+    empty_seq = losses.policy_loss_of(losses.gspo_surrogate, logp, old, torch.ones(3), nothing, LossParams())
+    assert (empty_seq.clipfrac.item(), empty_seq.weight_max.item()) == (0.0, 0.0)
+
+
+def test_the_reference_kl_and_the_constant_length_come_only_when_asked():
+    logp, old, mask = _two_sequences()
+    ref = old - 1.0
+    p = LossParams(agg="seq-mean-token-sum-norm", norm_len=4)
+    plain = losses.policy_loss_of(losses.gpg_surrogate, logp, old, torch.tensor([2.0, -1.0]), mask, p)
+    assert plain.loss.item() == pytest.approx(((2.0 + 4.0) / 4 + -0.5 / 4) / 2)  # -A logp, token sums / 4
+    with_ref = losses.policy_loss_of(losses.gpg_surrogate, logp, old, torch.tensor([2.0, -1.0]), mask, p,
+                                     ref_logp=ref)
+    assert with_ref.loss.item() == plain.loss.item()  # kl_coef defaults to 0
+
+
+def test_token_whitening_edge_cases():
+    # two tokens, one per sample: mean 0.5, unbiased variance 0.5
+    two = advantages.compute("reinforce_plus_plus", torch.tensor([1.0, 0.0]), torch.tensor([0, 1]),
+                             torch.tensor([1, 1]))
+    assert two.tolist() == pytest.approx([0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5)], abs=1e-6)
+    one = advantages.compute("reinforce_plus_plus", torch.tensor([3.0]), torch.tensor([0]),
+                             torch.tensor([1]))
+    assert one.tolist() == [0.0]  # one token: nothing to compare it with
+    equal = advantages.compute("reinforce_plus_plus", torch.tensor([1.0, 1.0]), torch.tensor([0, 1]),
+                               torch.tensor([1, 2]))
+    assert equal.tolist() == [0.0, 0.0]  # no variance: zeros, not NaN
+    empty = advantages.compute("reinforce_plus_plus_baseline", torch.tensor([1.0, 0.0, 0.5]),
+                               torch.tensor([0, 0, 1]), torch.tensor([2, 0, 1]))
+    assert empty[1].item() == 0.0  # a response without tokens gets 0
+
+
+def test_the_log_ratio_is_clamped_from_below_too():
+    logp, old = torch.tensor([[-25.0]]), torch.tensor([[0.0]])
+    out = losses.ppo_clip(logp, old, torch.tensor([1.0]), torch.ones(1, 1))
+    assert out.loss.item() == pytest.approx(-math.exp(-20), rel=1e-5)
+
+
+def test_a_value_whose_clipped_error_only_ties_is_not_counted():
+    # V moved 1.5 from 0 (clip 0.5): clipped to 0.5; both errors 0.25 against R = 1
+    values, old, returns = torch.tensor([[1.5]]), torch.tensor([[0.0]]), torch.tensor([[1.0]])
+    out = losses.value_loss(values, old, returns, torch.ones(1, 1), clip=0.5)
+    assert out.clipfrac.item() == 0.0
+
+
+def test_sequence_statistics_of_a_single_sequence():
+    logp, old = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.2, -2.4]])  # s = exp(0.3), above 1.2
+    out = losses.policy_loss_of(losses.gspo_surrogate, logp, old, torch.ones(1), torch.ones(1, 2),
+                                LossParams(clip_ratio=0.2))
+    assert (out.clipfrac.item(), out.weight_mean.item()) == pytest.approx((1.0, math.exp(0.3)))
