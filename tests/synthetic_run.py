@@ -196,7 +196,9 @@ def commit_update(run: RunDir, exp: Experiment, k: int, rollouts: pa.Table, scor
         "ppo_kl": 2e-3 * decay + 5e-4 * rng.random(steps),
         "kl_ref": (1e-2 * (1 - decay) + 1e-3 * rng.random(steps)) if exp.algorithm.kl.coef > 0
         else np.zeros(steps),
-        "entropy": 0.3 * decay + 0.05 * rng.random(steps), "grad_norm": 1 + 2 * rng.random(steps),
+        "entropy": 0.3 * decay + 0.05 * rng.random(steps),
+        "is_weight_mean": 1 + 0.01 * rng.normal(0, 1, steps), "is_weight_max": 1.2 + 0.1 * rng.random(steps),
+        "grad_norm": 1 + 2 * rng.random(steps),
         "lr": np.full(steps, exp.update.lr), "tokens": np.full(steps, 1000, np.int64),
         **{c: pa.nulls(steps, pa.float64()) for c in ("vf_loss", "vf_clipfrac", "vf_grad_norm")}})
     n = train.num_rows
