@@ -118,7 +118,7 @@ BAD_CONFIGS = [  # (sections written over the test experiment, what the error sa
     ({"run": {"name": "r" * 201}}, "run.name: Value error, a run name is at most 200 bytes"),
     ({"run": {"dir_mode": "0999"}}, "run.dir_mode: String should match pattern"),
     ({"algorithm": {"name": "ppoo"}}, "algorithm.name: 'ppoo' is not a registered advantage estimator"),
-    ({"algorithm": {"policy_loss": "gspo"}}, "algorithm.policy_loss: 'gspo' is not a registered policy loss"),
+    ({"algorithm": {"policy_loss": "sapo"}}, "algorithm.policy_loss: 'sapo' is not a registered policy loss"),
     ({"algorithm": {"group_size": 1}}, "algorithm.group_size: grpo compares samples of one prompt"),
     ({"algorithm": {"dual_clip_c": 0.5}}, "algorithm.dual_clip_c: expected 0 (off) or a value above 1"),
     ({"algorithm": {"kl": {"target": 1.0}}}, "algorithm.kl.target: the adaptive KL controller starts from"),
