@@ -12,16 +12,16 @@ steps beside the policy's on the same mini-batches.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hpcrl import commit, losses, trainer
+from hpcrl import checkpoint_view, commit, losses, policy_model, trainer
 from hpcrl.batches import Samples, micro_batches, padded, response_outputs, response_values
 from hpcrl.config import Experiment
 from hpcrl.stage import StageContext
+from hpcrl.weight_sync import Named
 
 STAT_NAMES = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_ref", "entropy", "is_weight_mean")
 
@@ -40,7 +40,7 @@ class Actor:
     def __init__(self, exp: Experiment, rank: int, world_size: int, policy_path: Path, state_dir: Path | None,
                  critic_path: Path | None = None, critic_state: Path | None = None):
         """Load the policy (and, when given, the DeepSpeed state that produced it); for ppo, the critic."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.exp, self.rank, self.world_size = exp, rank, world_size
         u = exp.update
@@ -50,13 +50,14 @@ class Actor:
         dtype = getattr(torch, exp.model.dtype)
         tokenizer = AutoTokenizer.from_pretrained(exp.tokenizer_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype)
+        model = policy_model.load_causal_lm(policy_path, dtype, exp.model.attn_implementation)
+        self.attn_implementation = model.config._attn_implementation
         self.engine = trainer.make_engine(model, u.lr, exp, world_size, grad_accum, state_dir)
         self.policy_loss = losses.policy_loss(exp.algorithm, exp.generate.max_tokens)
         self.ref_model = None
         if exp.algorithm.kl.coef > 0:
-            self.ref_model = AutoModelForCausalLM.from_pretrained(exp.model.path, dtype=dtype).to(
-                self.engine.device).eval()
+            self.ref_model = policy_model.load_causal_lm(exp.model.path, dtype, exp.model.attn_implementation)
+            self.ref_model = self.ref_model.to(self.engine.device).eval()
         self.critic = None
         if exp.algorithm.critic is not None:  # ppo
             from hpcrl.critic import Critic
@@ -126,22 +127,18 @@ class Actor:
             if self.critic is not None:
                 self.critic.save(ctx.writer.dir / "critic", ctx.writer.dir / "trainer" / "critic")
 
-    @contextmanager
-    def full_parameters(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Every parameter, whole, in HF names (collective under ZeRO-3: every rank enters).
+    def checkpoint_weights(self) -> Iterator[Named]:
+        """The policy's weights as its checkpoint holds them (hpcrl.checkpoint_view), layer by layer.
+        Under ZeRO-3 each layer is gathered in turn (every rank reads the stream to its end) and
+        each tensor is a copy that outlives its layer's gather."""
+        if self.exp.update.zero_stage != 3:
+            return checkpoint_view.tensors(self.engine.module)
+        import deepspeed
 
-        Tied parameters come under each of their names (lm_head.weight and embed_tokens.weight):
-        vLLM's in-place reload unties them when only one name arrives."""
-        module = self.engine.module
-        params = list(module.named_parameters(remove_duplicate=False))
-        if self.exp.update.zero_stage == 3:
-            import deepspeed
+        def gather(params):
+            return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
-            unique = list({id(p): p for _, p in params}.values())
-            with deepspeed.zero.GatheredParameters(unique, modifier_rank=None):
-                yield [(n, p.data) for n, p in params]
-        else:
-            yield [(n, p.data) for n, p in params]
+        return checkpoint_view.tensors(self.engine.module, gather, copy=True)
 
     @torch.no_grad()
     def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:

@@ -56,6 +56,10 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights dtype for generation and training.")
     max_model_len: int = Field(256, ge=8, description="Longest prompt + response in tokens.")
+    attn_implementation: Literal["auto", "eager", "sdpa"] = Field(
+        "auto", description="The trainer's attention implementation (transformers). auto: the one that "
+        "computes what vLLM computes for this model (eager where attention logits are soft-capped, as "
+        "Gemma-2's; else sdpa); the choice is in each update's manifest (notes.attn_implementation).")
 
 
 class DataConfig(Section):
@@ -283,6 +287,12 @@ class UpdateConfig(Section):
                                             "when update.world_size is 1: they partition over data-parallel "
                                             "ranks, and one rank has nothing to partition.")
     world_size: int = Field(1, ge=1, description="DeepSpeed ranks for the update (processes on this node).")
+    sampler_mismatch_tol: float = Field(
+        0.0, ge=0, description="Stop an update (uncommitted) whose recomputed old logprobs differ from the "
+        "sampler's by more than this on average over the batch's tokens (rollout/logprob_diff_mean): the "
+        "trainer would train a model other than the one generating. 0: 1e-3 for float32 weights, 5e-2 "
+        "otherwise. Not checked with algorithm.old_logprobs = \"sampler\" or generate.top_p < 1 (vLLM's "
+        "logprobs are then renormalised over the nucleus).")
 
 
 class TrackingConfig(Section):

@@ -21,6 +21,7 @@ has, so the run directory never holds a stage whose input is not committed.
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -158,6 +159,12 @@ class Trainer:
             self._await_commit()  # the previous update's commit ends before any new collective
             if cmd["op"] == "stop":
                 break
+            if cmd["op"] == "probe":  # before the first iteration (hpcrl.agreement)
+                self.last_probe = self.actor.sequence_logprobs(cmd["probe"])
+                if self.rank == 0:
+                    self.plane.reply({"logprobs": self.last_probe,
+                                      "attn_implementation": self.actor.attn_implementation})
+                continue
             self._update(cmd["iteration"], cmd["checkpoint"], cmd["probe"])
         dist.destroy_process_group()
 
@@ -173,9 +180,11 @@ class Trainer:
         new = self.last_probe = self.actor.sequence_logprobs(probe)
         t0 = time.perf_counter()
         reply = {"probe_old": old, "probe_new": new}
-        with self.actor.full_parameters() as params:  # every rank gathers (ZeRO-3); rank 0 sends
-            if self.sync is not None:
-                reply["handoff"] = self.sync.send(params).as_dict()
+        weights = self.actor.checkpoint_weights()
+        if self.sync is not None:  # trainer 0 sends
+            reply["handoff"] = self.sync.send(weights).as_dict()
+        elif self.exp.update.zero_stage == 3:  # the others take part in each layer's gather
+            collections.deque(weights, maxlen=0)
         reply["send_s"] = time.perf_counter() - t0
         if self.rank == 0:
             self.plane.reply(reply)
@@ -239,6 +248,7 @@ class Generator:
     def drive(self) -> None:
         stages = {s.name: s for s in (self.gen, self.score)}  # the update runs on the trainers
         try:
+            self._check_agreement()
             while (nxt := self._next_stage()) is not None:
                 k, name = nxt
                 if name not in stages:
@@ -251,6 +261,19 @@ class Generator:
             self.score.close()
         self.plane.send({"op": "stop"})
         self.plane.stop_monitor()
+
+    def _check_agreement(self) -> None:
+        """Before any iteration: the trainer and vLLM, holding the same weights, must compute the
+        same probe logprobs (hpcrl.agreement.check_start)."""
+        from hpcrl import agreement, generation
+
+        reply = self.plane.wait_reply(self.plane.send({"op": "probe", "probe": self.probe}))
+        tol = weight_sync.probe_tolerance(self.exp.executor.resident.sync_check_tol, self.exp.model.dtype)
+        metrics = agreement.check_start(generation.sequence_logprobs(self.llm, self.probe), reply["logprobs"],
+                                        tol, reply["attn_implementation"], self.exp.model.path)
+        print(f"[resident] trainer and vLLM agree on the probe: {metrics['sync/start_logp_diff']:.1e} "
+              f"(tolerance {tol:.0e})", flush=True)
+        self.gen.metrics = metrics  # in the next generation's manifest
 
     def _next_stage(self) -> tuple[int, str] | None:
         """The next stage to run: the first uncommitted one, but for the update being committed."""

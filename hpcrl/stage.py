@@ -71,6 +71,7 @@ class StageContext:
     timings: dict[str, float] = field(default_factory=dict)
     inputs: dict[str, str] = field(default_factory=dict)
     policy_version: int | None = None
+    notes: dict[str, str] = field(default_factory=dict)  # choices the stage made (the manifest's "notes")
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
@@ -166,6 +167,7 @@ class OpenStage:
                 "seed": ctx.seed,
                 "policy_version": ctx.policy_version,
                 "inputs": ctx.inputs,
+                "notes": ctx.notes,
                 "packages": package_versions(),
                 "timings": ctx.timings,
                 "host": socket.gethostname(),

@@ -95,7 +95,8 @@ class Transport(ABC):
 
     @abstractmethod
     def send(self, tensors: Iterable[Named]) -> Handoff:
-        """Trainer 0: the whole set of weights out."""
+        """Trainer 0: the whole set of weights out, read from `tensors` as a stream (one layer's
+        tensors at a time from hpcrl.checkpoint_view), never held whole."""
 
     @abstractmethod
     def receive(self, handoff: Handoff) -> Iterator[Named]:
@@ -181,7 +182,8 @@ class SharedMemoryTransport(Transport):
         return Handoff(self.name, nbytes, self.sync.path, header)
 
     def receive(self, handoff: Handoff) -> Iterator[Named]:
-        if self.buffer is None:  # mapped once: the sender rewrites the same buffer in place
+        needed = weight_sync.SharedMemorySync.end(handoff.header)
+        if self.buffer is None or self.buffer.numel() < needed:  # mapped again only when it grew
             self.buffer = weight_sync.SharedMemorySync.map(handoff.path, handoff.header)
         return weight_sync.SharedMemorySync.receive(self.buffer, handoff.header)
 

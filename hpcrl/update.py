@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from hpcrl import advantages, batches, commit, kl_control, losses, preemption, trainer
+from hpcrl import advantages, agreement, batches, commit, kl_control, losses, preemption, trainer
 from hpcrl.actor import Actor, StepInputs
 from hpcrl.kl_control import KLControl
 from hpcrl.schemas import UPDATE_STATS
@@ -117,6 +117,7 @@ class Update:
                 self._step(state, epoch, mini)
                 if self.guard is not None and state.step < len(self.steps) and self.guard.should_stop():
                     self._hand_over(state)
+        self._check_sampler(state)
         trainer.refuse_non_finite(k, state.stats, {name: e.module for name, e in self.engines.items()})
         if self.actor.rank == 0:
             self._write(state)
@@ -169,6 +170,16 @@ class Update:
             self._say(f"step {state.step}/{len(self.steps)}"
                       + (f" loss {s['loss']:.4g}" if "loss" in s else ""))
 
+    def _check_sampler(self, state: UpdateState) -> None:
+        """Record how far the trainer's old logprobs are from the sampler's (every rank holds them
+        all), and stop when beyond update.sampler_mismatch_tol (hpcrl.agreement)."""
+        exp = self.exp
+        mismatch = agreement.sampler_mismatch(state.old, self.samples.sampler_logprobs)
+        state.metrics.update(mismatch)
+        if exp.algorithm.old_logprobs == "recompute" and exp.generate.top_p == 1.0:
+            tol = agreement.sampler_tolerance(exp.update.sampler_mismatch_tol, exp.model.dtype)
+            agreement.check_sampler(mismatch, tol, self.ctx.iteration)
+
     def _hand_over(self, state: UpdateState) -> None:
         """Save the progress (every rank: its engines' state) and let Slurm requeue the job."""
         state.rng = torch.get_rng_state()
@@ -199,7 +210,8 @@ class Update:
                                                                   state.old_values, state.returns))
             if state.control is not None:
                 state.control.save(ctx.writer.dir)
-        ctx.writer.metrics.update(update_metrics(state.stats, samples, state.old, ctx.timings["compute"]))
+        ctx.writer.metrics.update(update_metrics(state.stats, ctx.timings["compute"]))
+        ctx.notes["attn_implementation"] = self.actor.attn_implementation
         ctx.writer.metrics.update(state.metrics)
 
     def _price_kl(self, old: Rows, ref: Rows, metrics: dict) -> tuple[torch.Tensor, KLControl]:
@@ -267,11 +279,8 @@ def critic_metrics(values: torch.Tensor, targets, mask: torch.Tensor) -> dict[st
     }
 
 
-def update_metrics(stats: list[dict], samples: batches.Samples, old: dict,
-                   compute_s: float) -> dict[str, float]:
+def update_metrics(stats: list[dict], compute_s: float) -> dict[str, float]:
     """Means over the steps; a statistic no step has (the policy's during critic warmup) is left out."""
-    diffs = np.abs(np.concatenate([np.asarray(old[i]) - np.asarray(samples.sampler_logprobs[i])
-                                   for i in range(len(samples))] or [np.zeros(0)]))
     names = {"loss": "actor/loss", "pg_loss": "actor/pg_loss", "pg_clipfrac": "actor/pg_clipfrac",
              "ppo_kl": "actor/ppo_kl", "kl_ref": "actor/kl_loss", "entropy": "actor/entropy",
              "is_weight_mean": "actor/is_weight_mean",
@@ -288,7 +297,5 @@ def update_metrics(stats: list[dict], samples: batches.Samples, old: dict,
     tokens = sum(s.get("tokens") or 0 for s in stats)
     return {
         **out,
-        "rollout/logprob_diff_mean": float(diffs.mean()) if diffs.size else 0.0,
-        "rollout/logprob_diff_max": float(diffs.max()) if diffs.size else 0.0,
         "perf/update_tokens_per_s": tokens / max(compute_s, 1e-9),
     }

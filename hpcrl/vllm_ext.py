@@ -43,4 +43,46 @@ class WeightReceiver:
                 yield name, tensor
 
         self.model_runner.reload_weights(weights_iterator=stream())
+        refresh_cpu_copies(self.model_runner.get_model())
         return {**received, "seconds": time.perf_counter() - t0}
+
+
+def refresh_cpu_copies(model) -> int:
+    """On CPU, prepare again what vLLM derived from reloaded weights (module docstring): the GEMM
+    of every layer that shares its weight with another (a tied lm_head), and the packed weights of
+    every MoE layer. Returns the layers refreshed."""
+    import torch
+
+    if next(model.parameters()).device.type != "cpu":
+        return 0
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            owners.setdefault(id(weight), []).append(module)
+    refreshed = 0
+    for modules in owners.values():
+        for module in modules if len(modules) > 1 else ():
+            module.quant_method.process_weights_after_loading(module)
+            refreshed += 1
+    for module in model.modules():
+        refreshed += _repack_experts(module)
+    return refreshed
+
+
+def _repack_experts(layer) -> int:
+    from vllm._custom_ops import cpu_prepack_moe_weight
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if not isinstance(experts, CPUUnquantizedExperts) or experts._use_zentorch:
+        return 0
+    size = experts.moe_config.intermediate_size_per_partition
+    if experts._padded_intermediate_size(experts.moe_config) != size:
+        raise NotImplementedError(f"reloading MoE weights whose intermediate size vLLM's CPU kernel pads "
+                                  f"({size}) is not supported; use a multiple of 32")
+    for name in ("w13_weight", "w2_weight"):
+        weight = getattr(layer, name)
+        weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
+    return 1

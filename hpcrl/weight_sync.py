@@ -7,7 +7,10 @@
 - shared memory (same node): the sender copies the tensors into one buffer (a memfd) that both
   sides map; the receiver reads them in place. One memory copy per side and no
   socket: on CPU several times faster than gloo over loopback (tools/bench_weight_sync.py).
-- filesystem: the sender writes safetensors into a directory, the receiver reads them back.
+- filesystem: the sender writes safetensors shards into a directory, the receiver reads them back.
+
+Every mechanism reads the tensors it sends as a stream (hpcrl.checkpoint_view yields a model
+layer by layer), so the sender never holds a second copy of the whole model.
 
 The receiver yields (name, tensor) pairs in the sender's order. hpcrl.transports wraps each
 mechanism in the one interface the resident mode uses; hpcrl.vllm_ext loads them into a running
@@ -49,19 +52,23 @@ def group_on(store, rank: int, world_size: int, timeout_s: float = 300, backend:
     return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
 
 
-def _buckets(tensors: list[Named], bucket_bytes: int) -> list[list[Named]]:
-    if bucket_bytes <= 0:
-        return [[t] for t in tensors]
-    out: list[list[Named]] = [[]]
+def buckets(tensors: Iterable[Named], bucket_bytes: int, same_dtype: bool = True) -> Iterator[list[Named]]:
+    """The tensors in consecutive groups of up to `bucket_bytes` (0: one tensor each; a tensor
+    larger than a bucket goes alone), of one dtype each when `same_dtype`; read lazily, so a
+    stream of tensors is never held whole."""
+    bucket: list[Named] = []
     size = 0
     for name, t in tensors:
+        t = t.detach().contiguous()
         nbytes = t.numel() * t.element_size()
-        if out[-1] and (size + nbytes > bucket_bytes or t.dtype != out[-1][0][1].dtype):
-            out.append([])
-            size = 0
-        out[-1].append((name, t))
+        if bucket and (bucket_bytes <= 0 or size + nbytes > bucket_bytes
+                       or (same_dtype and t.dtype != bucket[0][1].dtype)):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
         size += nbytes
-    return out
+    if bucket:
+        yield bucket
 
 
 def _broadcast_bytes(pg, payload: bytes | None, rank: int, device: str = "cpu") -> bytes:
@@ -74,29 +81,29 @@ def _broadcast_bytes(pg, payload: bytes | None, rank: int, device: str = "cpu") 
 
 
 class ProcessGroupSync:
-    """Broadcast of named tensors from rank 0 to every other rank of `pg`."""
+    """Broadcast of named tensors from rank 0 to every other rank of `pg`, bucket by bucket: each
+    bucket's header (names, dtypes, shapes), then its tensors as one flat buffer; an empty header
+    ends the stream. The sender never holds more than one bucket."""
 
     def __init__(self, pg, rank: int, bucket_bytes: int = 64 << 20, device: str = "cpu"):
         self.pg, self.rank, self.bucket_bytes, self.device = pg, rank, bucket_bytes, device
 
     def send(self, tensors: Iterable[Named]) -> int:
         """Rank 0: send all tensors; returns the bytes sent."""
-        tensors = [(n, t.detach().contiguous()) for n, t in tensors]
-        buckets = _buckets(tensors, self.bucket_bytes)
-        header = [[(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in b] for b in buckets]
-        _broadcast_bytes(self.pg, json.dumps(header).encode(), self.rank, self.device)
         sent = 0
-        for bucket in buckets:
+        for bucket in buckets(tensors, self.bucket_bytes):
+            header = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in bucket]
+            _broadcast_bytes(self.pg, json.dumps(header).encode(), self.rank, self.device)
             flat = (bucket[0][1].reshape(-1) if len(bucket) == 1
                     else torch.cat([t.reshape(-1) for _, t in bucket]))
-            self.pg.broadcast(flat, 0).wait()
+            self.pg.broadcast(flat.to(self.device), 0).wait()
             sent += flat.numel() * flat.element_size()
+        _broadcast_bytes(self.pg, b"[]", self.rank, self.device)
         return sent
 
     def receive(self) -> Iterator[Named]:
-        """Other ranks: the tensors, in the sender's order."""
-        header = json.loads(_broadcast_bytes(self.pg, None, self.rank, self.device))
-        for bucket in header:
+        """Other ranks: the tensors, in the sender's order (read it to the end: the sender waits)."""
+        while bucket := json.loads(_broadcast_bytes(self.pg, None, self.rank, self.device)):
             dtype = getattr(torch, bucket[0][1])
             sizes = [int(torch.Size(shape).numel()) for _, _, shape in bucket]
             flat = torch.empty(sum(sizes), dtype=dtype, device=self.device)
@@ -108,29 +115,37 @@ class ProcessGroupSync:
 
 
 class FilesystemSync:
-    """The fallback: safetensors written by the sender, read by the receiver."""
+    """The fallback: safetensors shards of up to `shard_bytes` written by the sender (then an index
+    naming them, replaced atomically), read back shard by shard by the receiver."""
 
-    def __init__(self, directory: str | Path):
-        self.dir = Path(directory)
+    INDEX = "weights.json"
+
+    def __init__(self, directory: str | Path, shard_bytes: int = 1 << 30):
+        self.dir, self.shard_bytes = Path(directory), shard_bytes
 
     def send(self, tensors: Iterable[Named]) -> int:
         from safetensors.torch import save_file
 
         self.dir.mkdir(parents=True, exist_ok=True)
-        state, seen = {}, set()
-        for n, t in tensors:  # tied parameters go under each name; safetensors wants separate storage
-            t = t.detach().contiguous()
-            state[n] = t.clone() if t.data_ptr() in seen else t
-            seen.add(t.data_ptr())
-        tmp = self.dir / "weights.safetensors.tmp"
-        save_file(state, str(tmp))
-        tmp.replace(self.dir / "weights.safetensors")
-        return sum(t.numel() * t.element_size() for t in state.values())
+        shards, nbytes = [], 0
+        for i, shard in enumerate(buckets(tensors, self.shard_bytes, same_dtype=False)):
+            name = f"weights-{i:05d}.safetensors"
+            # a copy each: safetensors refuses tensors that share memory (views of one fused weight)
+            save_file({n: t.clone() for n, t in shard}, str(self.dir / f"{name}.tmp"))
+            (self.dir / f"{name}.tmp").replace(self.dir / name)
+            shards.append(name)
+            nbytes += sum(t.numel() * t.element_size() for _, t in shard)
+        (self.dir / f"{self.INDEX}.tmp").write_text(json.dumps({"shards": shards}))
+        (self.dir / f"{self.INDEX}.tmp").replace(self.dir / self.INDEX)
+        for stale in set(p.name for p in self.dir.glob("weights-*.safetensors")) - set(shards):
+            (self.dir / stale).unlink()
+        return nbytes
 
     def receive(self) -> Iterator[Named]:
         from safetensors.torch import load_file
 
-        yield from load_file(str(self.dir / "weights.safetensors")).items()
+        for name in json.loads((self.dir / self.INDEX).read_text())["shards"]:
+            yield from load_file(str(self.dir / name)).items()
 
 
 ALIGN = 64  # bytes; every tensor in the shared buffer starts on a cache line
@@ -138,51 +153,56 @@ ALIGN = 64  # bytes; every tensor in the shared buffer starts on a cache line
 
 class SharedMemorySync:
     """Same-node transport through one shared buffer: an anonymous memory file (memfd) of the
-    sender, created on the first send and rewritten in place afterwards, which the receiver maps
-    through /proc/<sender pid>/fd. The header (name, dtype, shape, byte offset) travels beside
-    it. Nothing is left behind, whichever side dies: the memory goes with the last process that
-    maps it. The buffer is rewritten only while the receiver does not read it (the resident loop
-    alternates the two)."""
+    sender, created on the first send, grown when a send needs more, and rewritten in place,
+    which the receiver maps through /proc/<sender pid>/fd. The header (name, dtype, shape, byte
+    offset) travels beside it. Nothing is left behind, whichever side dies: the memory goes with
+    the last process that maps it. The buffer is rewritten only while the receiver does not read
+    it (the resident loop alternates the two)."""
 
     def __init__(self):
         if not hasattr(os, "memfd_create"):
             raise RuntimeError("shared-memory weight sync needs Linux (memfd); use "
                                "weight_sync = \"process_group\"")
         self.path: str | None = None
+        self.fd: int | None = None
         self.buffer: torch.Tensor | None = None
 
     def send(self, tensors: Iterable[Named]) -> tuple[int, list]:
-        """Copy the tensors into the buffer; returns (bytes, header). A tensor seen twice (tied
-        parameters) is stored once, under both names."""
-        header, slots, offset, seen = [], [], 0, {}
+        """Copy the tensors into the buffer, one at a time; returns (bytes, header)."""
+        header, offset, nbytes = [], 0, 0
         for name, t in tensors:
-            key = (t.data_ptr(), t.dtype, tuple(t.shape))
-            if key not in seen:
-                seen[key] = offset
-                slots.append((t, offset))
-                offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-            header.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), seen[key]])
-        if self.buffer is None:
-            fd = os.memfd_create("hpcrl-weights")  # open for the life of this process
-            os.ftruncate(fd, max(offset, 1))
-            self.path = f"/proc/{os.getpid()}/fd/{fd}"
-            self.buffer = torch.from_file(self.path, shared=True, size=max(offset, 1), dtype=torch.uint8)
-        elif offset > self.buffer.numel():
-            raise ValueError(f"the weights grew from {self.buffer.numel()} to {offset} bytes since the "
-                             "first sync")
-        for t, start in slots:
-            _slot(self.buffer, start, t.dtype, t.shape).copy_(t.detach())
-        return sum(t.numel() * t.element_size() for t, _ in slots), header
+            size = t.numel() * t.element_size()
+            self._reserve(offset + size)
+            _slot(self.buffer, offset, t.dtype, t.shape).copy_(t.detach())
+            header.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset])
+            offset += -(-size // ALIGN) * ALIGN
+            nbytes += size
+        return nbytes, header
+
+    def _reserve(self, end: int) -> None:
+        """A buffer of at least `end` bytes (grown by doubling; the receiver maps it again)."""
+        if self.buffer is not None and end <= self.buffer.numel():
+            return
+        if self.fd is None:
+            self.fd = os.memfd_create("hpcrl-weights")  # open for the life of this process
+            self.path = f"/proc/{os.getpid()}/fd/{self.fd}"
+        size = max(end, 2 * (self.buffer.numel() if self.buffer is not None else 0), 1 << 16)
+        os.ftruncate(self.fd, size)
+        self.buffer = torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8)
+
+    @staticmethod
+    def end(header: list) -> int:
+        """The bytes of the buffer a header reads."""
+        return max((start + torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+                    for _, dtype, shape, start in header), default=1)
 
     @staticmethod
     def map(path: str, header: list) -> torch.Tensor:
         """The receiver's mapping of the sender's buffer."""
-        end = max((start + torch.Size(shape).numel() * getattr(torch, dtype).itemsize
-                   for _, dtype, shape, start in header), default=1)
         buffer = torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
-        if buffer.numel() < end:
+        if buffer.numel() < SharedMemorySync.end(header):
             raise WeightSyncError(f"the shared weight buffer {path} holds {buffer.numel()} bytes, the header "
-                                  f"needs {end}")
+                                  f"needs {SharedMemorySync.end(header)}")
         return buffer
 
     @staticmethod

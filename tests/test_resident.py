@@ -51,7 +51,7 @@ def test_weights_streamed_into_vllm_match_the_trainer_and_a_skipped_sync_is_caug
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from hpcrl import generation, resident, transports
+    from hpcrl import checkpoint_view, generation, resident, transports
     from hpcrl.distributed import free_port
 
     exp = config.load(write_experiment())
@@ -81,7 +81,7 @@ def test_weights_streamed_into_vllm_match_the_trainer_and_a_skipped_sync_is_caug
     def trainer_side():
         sender = transports.make(setup)
         sender.open_sender(store)
-        sent["bytes"] = sender.send(trained.named_parameters(remove_duplicate=False)).bytes
+        sent["bytes"] = sender.send(checkpoint_view.tensors(trained)).bytes
 
     thread = threading.Thread(target=trainer_side)
     thread.start()

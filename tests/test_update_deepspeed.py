@@ -20,7 +20,24 @@ from hpcrl.rundir import RunDir
 pytestmark = pytest.mark.timeout(900)
 
 
-def _commit_inputs(run: RunDir, exp: config.Experiment, tokenizer) -> None:
+def _sampler_logprobs(rows: list[dict], exp: config.Experiment) -> None:
+    """The logprobs a sampler holding policy version 0 reports for these responses: the update
+    checks its own against them (update.sampler_mismatch_tol)."""
+    from hpcrl import losses, policy_model
+
+    model = policy_model.load_causal_lm(exp.model.path, torch.float32)
+    with torch.no_grad():
+        for row in rows:
+            ids = torch.tensor([row["prompt_ids"] + row["response_ids"]])
+            logits = model(ids).logits[:, len(row["prompt_ids"]) - 1: -1]
+            row["logprobs"] = losses.token_logprobs(logits, ids[:, len(row["prompt_ids"]):],
+                                                    exp.generate.temperature or 1.0)[0].tolist()
+
+
+def _commit_inputs(run: RunDir, exp: config.Experiment, tokenizer,
+                   sampler_logprob: float | None = None) -> None:
+    """Committed generate and score outputs of iteration 0: the policy's own logprobs as the
+    sampler's, or `sampler_logprob` for every token (a sampler far from the trainer)."""
     rng = np.random.default_rng(0)
     rows = []
     for p in range(exp.algorithm.prompts_per_iteration):
@@ -35,6 +52,8 @@ def _commit_inputs(run: RunDir, exp: config.Experiment, tokenizer) -> None:
                              prompt_ids=tokenizer(prompt, add_special_tokens=False)["input_ids"],
                              response_ids=ids, logprobs=[-1.0] * len(ids), response_text=answer,
                              finish_reason="stop", policy_version=0, round=0, kept=True))
+    if sampler_logprob is None:
+        _sampler_logprobs(rows, exp)
     rollouts = pa.Table.from_pylist(rows)
     w = commit.StageWriter(commit.fresh_temp_dir(run.stage_dir(0, "generate")))
     w.write_table("rollouts", rollouts)
@@ -135,8 +154,11 @@ def test_update_records_advantages_and_logprob_mismatch(one_rank):
     for row in adv.to_pylist():
         groups.setdefault(row["prompt_index"], []).append(row["advantage"])
     assert all(abs(sum(g)) < 1e-4 for g in groups.values())  # group-centred
-    # sampler logprobs were set to -1.0, so the recorded mismatch is real and large
-    assert m["metrics"]["rollout/logprob_diff_mean"] > 0.01
+    # the sampler's logprobs are the policy's own (computed by the fixture outside DeepSpeed): the
+    # recorded mismatch is float rounding, and the trainer's attention implementation is on record
+    assert 0 < m["metrics"]["rollout/logprob_diff_mean"] < 1e-5
+    assert m["metrics"]["rollout/logprob_diff_max"] < 1e-4 and abs(m["metrics"]["rollout/sampler_kl"]) < 1e-8
+    assert m["notes"] == {"attn_implementation": "sdpa"}
     assert m["policy_version"] == 1 and m["inputs"]
 
 
@@ -279,7 +301,7 @@ def test_old_logprobs_from_the_sampler_skip_the_recompute(write_experiment):
     exp = config.load(write_experiment("sampler-old", algorithm={"old_logprobs": "sampler"},
                                        run={"iterations": 1}))
     run, _ = runs.prepare(exp, "sampler-old")
-    _commit_inputs(run, exp, AutoTokenizer.from_pretrained(exp.model.path))
+    _commit_inputs(run, exp, AutoTokenizer.from_pretrained(exp.model.path), sampler_logprob=-1.0)
     executors.LocalExecutor(run, exp).submit("update", 0).job.results()
     d = run.stage_dir(0, "update")
     rollouts = {(r["prompt_index"], r["sample_index"]): r["logprobs"]
@@ -287,9 +309,22 @@ def test_old_logprobs_from_the_sampler_skip_the_recompute(write_experiment):
                 if r["split"] == "train"}
     for row in commit.read_table(d, "advantages").to_pylist():
         assert row["old_logprobs"] == pytest.approx(rollouts[(row["prompt_index"], row["sample_index"])])
-    # the sampler's logprobs (set to -1.0 by the fixture) are far from the policy's: the ratio sees it
+    # the sampler's logprobs (-1.0 for every token) are far from the policy's: the ratio sees it
     stats = commit.read_table(d, "stats").to_pylist()
     assert stats[0]["ppo_kl"] < -0.01 and stats[0]["pg_clipfrac"] > 0
+
+
+def test_an_update_whose_trainer_disagrees_with_the_sampler_stops_uncommitted(write_experiment):
+    """The staged mode's check that the trainer computes the model that sampled (hpcrl.agreement)."""
+    from transformers import AutoTokenizer
+
+    exp = config.load(write_experiment("disagree", run={"iterations": 1}))
+    run, _ = runs.prepare(exp, "disagree")
+    _commit_inputs(run, exp, AutoTokenizer.from_pretrained(exp.model.path), sampler_logprob=-1.0)
+    with pytest.raises(Exception, match=r"ModelMismatchError: iteration 0: the trainer's logprobs of the "
+                                        r"sampled tokens differ from vLLM's by \S+ on average"):
+        executors.LocalExecutor(run, exp).submit("update", 0).job.results()
+    assert not commit.is_committed(run.stage_dir(0, "update"))
 
 
 class PoisonedUpdate(executors.StageCall):

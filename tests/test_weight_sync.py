@@ -9,7 +9,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from hpcrl import transports
+from hpcrl import transports, weight_sync
 from hpcrl.distributed import free_port
 from hpcrl.weight_sync import FilesystemSync, ProcessGroupSync, SharedMemorySync, make_group
 
@@ -76,10 +76,9 @@ def _shared_receiver(path: str, header: list, ready, again, out) -> None:
 
 def test_shared_memory_delivers_bit_identical_tensors_in_place():
     state = _state()
-    state["lm_head.weight"] = state["embed.weight"]  # tied: stored once, delivered under both names
     sync = SharedMemorySync()
     nbytes, header = sync.send(state.items())
-    assert nbytes == sum(t.numel() * t.element_size() for k, t in state.items() if k != "lm_head.weight")
+    assert nbytes == sum(t.numel() * t.element_size() for t in state.values())
     assert sync.path.startswith("/proc/")  # a memfd: nothing in /dev/shm or on disk to leak
     ctx = mp.get_context("spawn")
     ready, again, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -103,11 +102,48 @@ def test_shared_memory_delivers_bit_identical_tensors_in_place():
     assert first["embed.weight"][2] != second["embed.weight"]
 
 
-def test_shared_memory_refuses_weights_that_grew():
-    sync = SharedMemorySync()
-    sync.send([("w", torch.zeros(4))])
-    with pytest.raises(ValueError, match="grew from 64 to 128 bytes"):
-        sync.send([("w", torch.zeros(4)), ("v", torch.zeros(4))])
+def test_shared_memory_grows_and_a_receiver_maps_it_again():
+    setup = transports.SyncSetup("shared_memory")
+    sender, receiver = transports.make(setup), transports.make(setup)
+    sender.open_sender()
+    small = [("w", torch.full((4,), 1.0))]
+    assert dict(receiver.receive(sender.send(small)))["w"].tolist() == [1.0] * 4
+    big = [("w", torch.full((4,), 2.0)), ("v", torch.arange(40_000, dtype=torch.float32))]
+    got = dict(receiver.receive(sender.send(big)))
+    assert got["w"].tolist() == [2.0] * 4 and torch.equal(got["v"], big[1][1])
+
+
+def test_buckets_read_the_stream_lazily():
+    """A sender holds one bucket, never the stream: the checkpoint view gathers and converts a
+    layer at a time, and holding them all would hold the whole model twice."""
+    pulled = []
+
+    def stream():
+        for i in range(10):
+            pulled.append(i)
+            yield f"t{i}", torch.zeros(256)  # 1 KiB each
+
+    it = weight_sync.buckets(stream(), bucket_bytes=3 * 1024)
+    first = next(it)
+    assert [n for n, _ in first] == ["t0", "t1", "t2"] and len(pulled) == 4  # one tensor of lookahead
+    rest = list(it)
+    assert [len(b) for b in rest] == [3, 3, 1] and len(pulled) == 10
+    mixed = [("a", torch.zeros(2)), ("b", torch.zeros(2, dtype=torch.bfloat16)), ("c", torch.zeros(2))]
+    assert [len(b) for b in weight_sync.buckets(mixed, 1 << 20)] == [1, 1, 1]  # one dtype per bucket
+    assert [len(b) for b in weight_sync.buckets(mixed, 1 << 20, same_dtype=False)] == [3]
+    assert [len(b) for b in weight_sync.buckets(mixed, 0)] == [1, 1, 1]
+
+
+def test_filesystem_shards_and_removes_what_an_earlier_sync_left(tmp_path):
+    state = _state()
+    sync = FilesystemSync(tmp_path, shard_bytes=32 << 10)
+    sync.send(state.items())
+    assert len(list(tmp_path.glob("weights-*.safetensors"))) > 2
+    got = dict(sync.receive())
+    assert set(got) == set(state) and all(torch.equal(got[k], v) for k, v in state.items())
+    FilesystemSync(tmp_path, shard_bytes=1 << 30).send(state.items())
+    assert [p.name for p in tmp_path.glob("weights-*")] == ["weights-00000.safetensors"]
+    assert set(dict(sync.receive())) == set(state)
 
 
 def test_auto_transport_is_shared_memory_on_one_cpu_node_else_a_process_group():

@@ -1,0 +1,35 @@
+"""Loading the policy so that the trainer computes the model vLLM samples from.
+
+transformers picks an attention implementation per model, and its default (sdpa) leaves out
+what some families do inside attention: Gemma-2 soft-caps the attention logits, which vLLM
+applies and sdpa skips (1.7e-3 mean logprob apart on a tiny model, 17 times the sync probe's
+tolerance). `attention_for` chooses, per model config, the implementation that computes what
+vLLM computes; the update records the choice in its manifest (`notes.attn_implementation`), and
+the trainer-sampler checks (hpcrl.agreement) catch what a choice here misses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def attention_for(config) -> str:
+    """"eager" where the model soft-caps its attention logits (only the eager path applies the
+    cap), else "sdpa"."""
+    if getattr(_text_config(config), "attn_logit_softcapping", None):
+        return "eager"
+    return "sdpa"
+
+
+def load_causal_lm(path: str | Path, dtype, attn_implementation: str = "auto"):
+    """The causal LM at `path` with `attn_implementation` (model.attn_implementation; "auto": the
+    one `attention_for` chooses)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if attn_implementation == "auto":
+        attn_implementation = attention_for(AutoConfig.from_pretrained(path))
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
