@@ -253,10 +253,13 @@ def check_probe(engine: list[list[float]], trainer_new: list[list[float]], train
                               f"(trainer: {'finite' if math.isfinite(shift) else 'non-finite'}, difference "
                               f"{diff_new}); stopping rather than serving a non-finite policy")
     if diff_new > tol:
-        stale = " (it matches the previous weights: the sync did not happen)" if diff_old < diff_new else ""
+        why = (f"it still holds the previous weights ({diff_old:.2e} from them): the sync did not happen"
+               if diff_old <= tol else
+               f"it holds neither the new weights nor the previous ones ({diff_old:.2e} from those): weights "
+               "were loaded but differ, as when the engine reads a name, shape or layout otherwise")
         raise WeightSyncError(f"after loading policy version {version}, vLLM's logprobs on the probe batch "
                               f"differ from the trainer's by {diff_new:.2e} on average, above the tolerance "
-                              f"{tol:.0e} (executor.resident.sync_check_tol){stale}; stopping rather than "
+                              f"{tol:.0e} (executor.resident.sync_check_tol): {why}; stopping rather than "
                               "training on stale or corrupted weights")
     if shift > tol and diff_old <= diff_new:
         raise WeightSyncError(f"after loading policy version {version}, vLLM matches the previous weights "

@@ -85,13 +85,16 @@ def _probe(model, sequences: list[list[int]]) -> list[list[float]]:
 
 @pytest.fixture
 def own_engine():
-    """Each test's vLLM engine torn down with its distributed state: the next family's engine sets
-    up its own groups (an MoE model needs an expert-parallel group a dense one never made)."""
-    yield
+    """vLLM's distributed state torn down before and after each test's engine: every engine sets up
+    its own groups (an MoE model needs an expert-parallel group that an engine of a dense model,
+    this file's or an earlier test file's, never made)."""
     import gc
 
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
+    gc.collect()
+    cleanup_dist_env_and_memory()
+    yield
     gc.collect()
     cleanup_dist_env_and_memory()
 

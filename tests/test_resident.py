@@ -110,8 +110,11 @@ def test_check_probe_thresholds():
     new, old = [[-1.0, -2.0]], [[-1.5, -2.5]]
     m = check_probe([[-1.00001, -2.0]], new, old, 1e-4, version=3)
     assert m["sync/logp_diff"] == pytest.approx(0.000005) and m["sync/update_shift"] == pytest.approx(0.5)
-    with pytest.raises(WeightSyncError, match="differ from the trainer's by 1.00e-01"):
+    with pytest.raises(WeightSyncError, match="differ from the trainer's by 1.00e-01 .*: it holds neither "
+                                              "the new weights nor the previous ones .*loaded but differ"):
         check_probe([[-1.1, -2.1]], new, old, 1e-4, version=3)
+    with pytest.raises(WeightSyncError, match="still holds the previous weights .*the sync did not happen"):
+        check_probe([[-1.50001, -2.5]], new, old, 1e-4, version=3)
     with pytest.raises(WeightSyncError, match="previous weights"):  # within a loose tolerance, but stale
         check_probe([[-1.3, -2.3]], new, old, 0.4, version=3)
     # The update did not move the probe: nothing to tell apart, and no error.

@@ -33,13 +33,13 @@ def digit_share(response, ground_truth, **_):
     return {"score": sum(c.isdigit() for c in response) / max(len(response), 1)}
 '''
 SETTINGS = {"run.iterations": 2, "run.eval_every": 0, "algorithm.prompts_per_iteration": 8,
-            "algorithm.group_size": 4, "update.lr": 1e-3, "reward.functions": ["family_reward:digit_share"],
-            "executor.resident.sync_check_tol": 1e-5}
+            "algorithm.group_size": 4, "update.lr": 1e-3, "reward.functions": ["family_reward:digit_share"]}
+RESIDENT = {"executor.resident.sync_check_tol": 1e-5}  # float32: the probe at 1e-5, not the default 1e-4
 
 
 def submit(out: Path, model: Path, name: str, mode: str, **extra) -> subprocess.CompletedProcess:
     sets = {**SETTINGS, "model.path": str(model), "run.name": name, "run.runs_root": str(out / "runs"),
-            "executor.mode": mode, **extra}
+            "executor.mode": mode, **(RESIDENT if mode == "resident" else {}), **extra}
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={json.dumps(v)}")]
     env = {**os.environ, "PYTHONPATH": f"{out}:{REPO}", "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(REPO / "configs" / "demo.toml"),

@@ -41,7 +41,7 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name: (modules
                ("test_config", "test_plan", "test_run_creation", "test_docs")),
     "commit": (("commit", "stage"), ("test_commit",)),
     "replay": (("replay",), ("test_replay_verdicts",)),
-    "weight_sync": (("weight_sync", "transports"), ("test_weight_sync",)),
+    "weight_sync": (("weight_sync", "transports", "agreement"), ("test_weight_sync", "test_agreement")),
     "preemption": (("preemption",), ("test_preemption_ranks",)),
 }
 DEFAULT = ("algorithms", "dynamic_sampling", "config")  # fits 30 min on 2 cores; `all` runs every group
