@@ -235,34 +235,6 @@ def _same_outputs_but_policies(a: RunDir, b: RunDir) -> None:
             {f: v for f, v in fb.items() if f.endswith(".parquet")}, (k, s)
 
 
-def test_the_demo_experiment_on_slurm_equals_the_local_resident_run(tmp_path):
-    """configs/demo.toml itself (2 iterations): staged on Slurm, one job per stage per iteration with
-    the resources asked for, and the same results as the local executor in the resident mode."""
-    demo = config.load(Path(__file__).resolve().parents[1] / "configs" / "demo.toml")
-    paths = {}
-    for name, executor in (("demo-slurm", {**SLURM, "mode": "staged"}), ("demo-local", {"kind": "local"})):
-        exp = config.with_overrides(demo, {"run.name": name, "run.runs_root": str(tmp_path / "runs"),
-                                           "run.iterations": 2,
-                                           **{f"executor.{k}": v for k, v in executor.items()}},
-                                    "test")
-        paths[name] = tmp_path / f"{name}.toml"
-        paths[name].write_text(config.dumps(exp))
-        out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", "--foreground", str(paths[name])],
-                             capture_output=True, text=True, timeout=1200)
-        assert out.returncode == 0, out.stdout + out.stderr
-    slurm, local = (RunDir.at(tmp_path / "runs" / n) for n in ("demo-slurm", "demo-local"))
-    _same_outputs_but_policies(slurm, local)
-    exp = config.load(paths["demo-slurm"])
-    jobs = [j for j in slurm.jobs() if j["role"] != "controller"]
-    assert sorted((j["iteration"], j["role"]) for j in jobs) == sorted(plan.all_stages(exp))
-    rows = {r["JobID"]: r for r in _sacct([j["job_id"] for j in jobs])}
-    for j in jobs:
-        row = rows[j["job_id"]]
-        assert row["State"] == "COMPLETED"
-        assert row["Partition"] == SLURM[j["role"]]["partition"]
-        assert int(row["AllocCPUS"]) == SLURM[j["role"]]["cpus_per_task"]
-
-
 def test_resident_sbatch_script_submitted_by_hand_runs_the_whole_run(tmp_path, tiny_task):
     spec = {"kind": "slurm", "mode": "resident",
             "resident": {"partition": "debug", "nodes": 2, "cpus_per_task": 1}}
