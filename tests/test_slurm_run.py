@@ -46,6 +46,18 @@ def _sacct(job_ids, fields="JobID,JobName,Partition,AllocCPUS,State,NodeList") -
     return [dict(zip(fields.split(","), line.split("|"), strict=True)) for line in out.splitlines()]
 
 
+def _sacct_ended(job_ids, timeout: float = 120) -> list[dict]:
+    """sacct's rows once no job is pending or running: a stage commits its output before its job
+    process has exited, so a complete run can still show its last stage's job RUNNING."""
+    deadline = time.time() + timeout
+    while True:
+        rows = _sacct(job_ids)
+        if time.time() > deadline or not any(r["State"] in ("PENDING", "RUNNING", "COMPLETING")
+                                             for r in rows):
+            return rows
+        time.sleep(1)
+
+
 def _wait_complete(run: RunDir, timeout: float = 900) -> None:
     exp = config.load(run.config_path)
     deadline = time.time() + timeout
@@ -88,7 +100,7 @@ def test_run_on_slurm_through_a_controller_job_matches_local(runs_root, tiny_tas
     stage_jobs = [j for j in jobs if j["role"] != "controller"]
     assert (sorted((j["iteration"], j["role"]) for j in stage_jobs)
             == sorted(plan.all_stages(config.load(path))))
-    rows = {r["JobID"]: r for r in _sacct([j["job_id"] for j in jobs])}
+    rows = {r["JobID"]: r for r in _sacct_ended([j["job_id"] for j in jobs])}  # the controller's too
     for j in stage_jobs:
         row = rows[j["job_id"]]
         assert row["State"] == "COMPLETED"
