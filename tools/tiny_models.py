@@ -5,8 +5,8 @@ Each model uses the tiny task's tokenizer (tools/build_tiny_task.py) and the sam
 family's own features switched on: llama3 RoPE scaling (both config layouts), fused qkv and
 gate-up (Phi-3), tied embeddings, attention and final logit soft-capping (Gemma-2), sliding
 windows (Gemma-2, Gemma-3, Mistral), and mixtures of experts (Qwen3-MoE, Mixtral). Weights are
-drawn with std 0.15, not transformers' 0.02: near-uniform logits would hide a trainer that
-computes a different model from vLLM's (../shared/FACTS.md).
+drawn with std 0.15, not transformers' 0.02: with 0.02 the logits are near uniform, and a
+trainer that computes a different model from vLLM's (Gemma-2 without soft-capping) hides in them.
 
     python tools/tiny_models.py --out /tmp/families [--family gemma2 ...]
 """
