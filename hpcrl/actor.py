@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from hpcrl import checkpoint_view, commit, losses, policy_model, trainer
+from hpcrl import checkpoint_view, commit, losses, moe, policy_model, trainer
 from hpcrl.batches import Samples, micro_batches, padded, response_outputs, response_values
 from hpcrl.config import Experiment
 from hpcrl.stage import StageContext
@@ -52,6 +52,8 @@ class Actor:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         model = policy_model.load_causal_lm(policy_path, dtype, exp.model.attn_implementation)
         self.attn_implementation = model.config._attn_implementation
+        k = moe.top_k(model.config)  # experts per token; None for a dense model
+        self.router = moe.RouterTally(model, k) if k else None
         self.engine = trainer.make_engine(model, u.lr, exp, world_size, grad_accum, state_dir)
         self.policy_loss = losses.policy_loss(exp.algorithm, exp.generate.max_tokens)
         self.ref_model = None
@@ -87,10 +89,11 @@ class Actor:
         scale = self.world_size * len(mbs)  # undo DeepSpeed's mean over ranks and micro-batches
         sums = dict.fromkeys(STAT_NAMES, 0.0)
         weight_max = 0.0
-        fresh_old = {}
+        fresh_old, routed = {}, []
+        tally = self.router
         for mb in mbs:
             mb = mb.to(engine.device)
-            logits = response_outputs(engine, mb)
+            logits = response_outputs(engine, mb, tally=tally)
             logp = losses.token_logprobs(logits, mb.targets, exp.generate.temperature or 1.0)
             token_entropy = losses.entropy(logits) if exp.algorithm.entropy_coef > 0 else None
             if inputs.old is None:
@@ -107,16 +110,29 @@ class Actor:
                 raise FloatingPointError(f"non-finite loss ({out.loss.item()}) on rank {self.rank}; the "
                                          "update is not committed and the run stays at the last good "
                                          "policy version")
-            engine.backward(out.loss * scale)
+            engine.backward(out.loss * scale + self._router_term(tally, routed))
             _accumulate(sums, out, logits, token_entropy, mb.mask, (n_tokens, len(mini)))
             weight_max = max(weight_max, out.weight_max.item())
             grad_norm = trainer.engine_step(engine)
         stats = dict(zip(STAT_NAMES, trainer.all_sum([sums[k] for k in STAT_NAMES]), strict=True))
         stats.update(grad_norm=grad_norm, lr=engine.get_lr()[0], tokens=n_tokens,
                      is_weight_max=trainer.all_max(weight_max))
+        if tally is not None:
+            stats.update(_router_stats(routed))
         if inputs.old is None:
             stats["old"] = trainer.all_gather_rows(fresh_old)
         return stats
+
+    def _router_term(self, tally: moe.RouterTally | None, routed: list) -> torch.Tensor | float:
+        """An MoE micro-batch's load-balancing term of the loss (update.moe_aux_loss_coef x the
+        auxiliary loss; DeepSpeed's mean over micro-batches and ranks makes it their mean); its
+        routing is appended to `routed`."""
+        if tally is None:
+            return 0.0
+        load = tally.take()
+        aux = load.aux_loss()
+        routed.append((load.assigned, aux.item()))
+        return self.exp.update.moe_aux_loss_coef * aux
 
     def save(self, ctx: StageContext) -> None:
         """The new policy version (HF format) and the DeepSpeed state (and the critic's), into the stage
@@ -156,6 +172,16 @@ class Actor:
         logits = self.engine(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
         lp = losses.token_logprobs(logits, ids[:, 1:], 1.0)
         return [lp[b, : len(s) - 1].tolist() for b, s in enumerate(sequences)]
+
+
+def _router_stats(routed: list[tuple[torch.Tensor, float]]) -> dict:
+    """A step's routing over its micro-batches and ranks: each expert's load per layer, its extremes,
+    and the mean auxiliary loss."""
+    assigned = sum(a for a, _ in routed)
+    shape = assigned.shape
+    totals = trainer.all_sum([*assigned.flatten().tolist(), sum(aux for _, aux in routed), len(routed)])
+    stats = moe.load_stats(torch.tensor(totals[:-2]).reshape(shape))
+    return {**stats, "moe_aux_loss": totals[-2] / totals[-1]}
 
 
 def _accumulate(sums: dict[str, float], out: losses.PolicyLoss, logits: torch.Tensor,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
+from hpcrl.moe import RouterTally
 from hpcrl.schemas import SAMPLE_KEYS
 
 
@@ -148,25 +149,35 @@ def micro_batches(samples: Samples, rows: list[int], size: int, pad_id: int,
     return [collate(samples, rows[i: i + size], pad_id, share_prompts) for i in range(0, len(rows), size)]
 
 
-def response_outputs(model, mb: MicroBatch, field: str = "logits") -> torch.Tensor:
+def response_outputs(model, mb: MicroBatch, field: str = "logits",
+                     tally: RouterTally | None = None) -> torch.Tensor:
     """The model's `field` output (logits; a value model's values) aligned with mb.targets.
 
     `model` is called with HF keyword arguments (input_ids, attention_mask, position_ids,
-    past_key_values, use_cache) and returns an object with `field` and `past_key_values`."""
+    past_key_values, use_cache) and returns an object with `field` and `past_key_values`. With a
+    `tally` (an MoE model), the routing of every token is added to it, a shared prompt's tokens
+    weighted by the rows it stands for, so the tally is the same with and without sharing."""
+    def run(weights, forward):
+        return tally.routed(weights, forward) if tally is not None else forward()
+
     if mb.prompts is None:
-        return getattr(model(input_ids=mb.input_ids, attention_mask=mb.attention_mask), field)[:, :-1]
+        out = run(mb.attention_mask, lambda: model(input_ids=mb.input_ids, attention_mask=mb.attention_mask))
+        return getattr(out, field)[:, :-1]
     p = mb.prompts
     last_only = {"logits_to_keep": 1} if field == "logits" else {}
-    first = model(input_ids=p.input_ids, attention_mask=p.attention_mask, position_ids=p.position_ids,
-                  use_cache=True, **last_only)
+    rows_per_prompt = torch.bincount(p.of_row, minlength=p.input_ids.shape[0])
+    first = run(p.attention_mask * rows_per_prompt[:, None],
+                lambda: model(input_ids=p.input_ids, attention_mask=p.attention_mask,
+                              position_ids=p.position_ids, use_cache=True, **last_only))
     cache = first.past_key_values
     if not hasattr(cache, "batch_select_indices"):
         raise TypeError(f"update.share_prompts: this model's cache ({type(cache).__name__}) cannot be "
                         "indexed by batch row; set update.share_prompts = false")
     cache.batch_select_indices(p.of_row)  # each row its prompt's keys and values (a differentiable gather)
-    rest = model(input_ids=mb.input_ids,
-                 attention_mask=torch.cat([p.attention_mask[p.of_row], mb.attention_mask], 1),
-                 position_ids=mb.position_ids, past_key_values=cache, use_cache=True)
+    rest = run(mb.attention_mask,
+               lambda: model(input_ids=mb.input_ids,
+                             attention_mask=torch.cat([p.attention_mask[p.of_row], mb.attention_mask], 1),
+                             position_ids=mb.position_ids, past_key_values=cache, use_cache=True))
     return torch.cat([getattr(first, field)[p.of_row, -1:], getattr(rest, field)[:, :-1]], 1)
 
 

@@ -287,6 +287,11 @@ class UpdateConfig(Section):
                                             "when update.world_size is 1: they partition over data-parallel "
                                             "ranks, and one rank has nothing to partition.")
     world_size: int = Field(1, ge=1, description="DeepSpeed ranks for the update (processes on this node).")
+    moe_aux_loss_coef: float = Field(
+        0.0, ge=0, description="Mixture-of-experts models: weight of the router's load-balancing loss "
+        "(the Switch Transformer's, as transformers computes it) added to the policy loss; 0: none. The "
+        "routing (each expert's load per layer, moe/load_max, moe/load_min, moe/aux_loss) is recorded "
+        "either way.")
     sampler_mismatch_tol: float = Field(
         0.0, ge=0, description="Stop an update (uncommitted) whose recomputed old logprobs differ from the "
         "sampler's by more than this on average over the batch's tokens (rollout/logprob_diff_mean): the "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hpcrl import data, disk_budget, model_check, rewards
+from hpcrl import data, disk_budget, model_check, moe, rewards
 from hpcrl.config import ConfigError, Experiment
 from hpcrl.config_training import CriticConfig, ModelConfig, RunConfig
 from hpcrl.stage_kinds import ORDER
@@ -25,6 +25,14 @@ def _check_model(model: ModelConfig) -> tuple[list[str], dict | None]:
         return problems, None
     problems, shapes = model_check.weight_shapes(model.path, "model.path")
     return problems + model_check.limit_problems(cfg, shapes, model.max_model_len, model.path), cfg
+
+
+def _check_moe(exp: Experiment, model_cfg: dict | None) -> list[str]:
+    if exp.update.moe_aux_loss_coef > 0 and model_cfg is not None and not moe.is_moe_config(model_cfg):
+        return [f"update.moe_aux_loss_coef: {exp.update.moe_aux_loss_coef} asks for a load-balancing loss, "
+                f"but {exp.model.path} is not a mixture-of-experts model (its config.json has no "
+                "num_experts_per_tok); expected 0"]
+    return []
 
 
 def _check_critic(critic: CriticConfig | None) -> list[str]:
@@ -203,7 +211,8 @@ def check(exp: Experiment, source: str) -> list[str]:
         _check_tokenizer(exp, model_cfg)
     data_problems, notes = _check_data(exp, tok)
     problems += (tok_problems + data_problems + _check_algorithm(exp) + _check_critic(exp.algorithm.critic)
-                 + _check_rewards(exp) + _check_batch(exp) + _check_slurm(exp) + _check_memory(exp))
+                 + _check_moe(exp, model_cfg) + _check_rewards(exp) + _check_batch(exp) + _check_slurm(exp)
+                 + _check_memory(exp))
     if not problems:  # the disk budget is only worth a look for a run that can start
         disk_problems, disk_notes = disk_budget.check(exp)
         problems, notes = disk_problems, notes + disk_notes

@@ -89,6 +89,11 @@ UPDATE_STATS = pa.schema(
         pa.field("vf_loss", pa.float64()),
         pa.field("vf_clipfrac", pa.float64()),
         pa.field("vf_grad_norm", pa.float64()),
+        # mixture-of-experts models only (hpcrl.moe): load relative to an even share, [layer][expert]
+        pa.field("expert_load", pa.list_(pa.list_(pa.float64()))),
+        pa.field("moe_load_max", pa.float64()),
+        pa.field("moe_load_min", pa.float64()),
+        pa.field("moe_aux_loss", pa.float64()),
     ]
 )
 

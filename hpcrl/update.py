@@ -112,12 +112,13 @@ class Update:
         ctx, k = self.ctx, self.ctx.iteration
         with ctx.timed("compute"):
             state = self._resumed() or self._start()
+            if not self.own_old:
+                self._check_sampler(state)  # the old logprobs are all known before any step
             self.actor.engine.train()
             for epoch, mini in self.steps[state.step:]:
                 self._step(state, epoch, mini)
                 if self.guard is not None and state.step < len(self.steps) and self.guard.should_stop():
                     self._hand_over(state)
-        self._check_sampler(state)
         trainer.refuse_non_finite(k, state.stats, {name: e.module for name, e in self.engines.items()})
         if self.actor.rank == 0:
             self._write(state)
@@ -160,6 +161,8 @@ class Update:
             s.update(actor.train_step(self.samples, mini, StepInputs(state.adv, None if fresh else state.old,
                                                                      state.ref, self.loss_coef)))
             state.old.update(s.pop("old", {}))
+            if fresh:  # the first step's forward pass completed the old logprobs
+                self._check_sampler(state)
         # own_old: the batch's old logprobs are all in now
         if state.ref is not None and state.control is None:
             _, state.control = self._price_kl(state.old, state.ref, state.metrics)
@@ -172,7 +175,8 @@ class Update:
 
     def _check_sampler(self, state: UpdateState) -> None:
         """Record how far the trainer's old logprobs are from the sampler's (every rank holds them
-        all), and stop when beyond update.sampler_mismatch_tol (hpcrl.agreement)."""
+        all), and stop when beyond update.sampler_mismatch_tol (hpcrl.agreement): at the first
+        step, before the update spends its compute on a model other than the one generating."""
         exp = self.exp
         mismatch = agreement.sampler_mismatch(state.old, self.samples.sampler_logprobs)
         state.metrics.update(mismatch)
@@ -285,7 +289,8 @@ def update_metrics(stats: list[dict], compute_s: float) -> dict[str, float]:
              "ppo_kl": "actor/ppo_kl", "kl_ref": "actor/kl_loss", "entropy": "actor/entropy",
              "is_weight_mean": "actor/is_weight_mean",
              "grad_norm": "actor/grad_norm", "lr": "actor/lr", "vf_loss": "critic/vf_loss",
-             "vf_clipfrac": "critic/vf_clipfrac", "vf_grad_norm": "critic/grad_norm"}
+             "vf_clipfrac": "critic/vf_clipfrac", "vf_grad_norm": "critic/grad_norm",
+             "moe_load_max": "moe/load_max", "moe_load_min": "moe/load_min", "moe_aux_loss": "moe/aux_loss"}
     out = {}
     for key, name in names.items():
         values = [s[key] for s in stats if s.get(key) is not None]

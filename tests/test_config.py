@@ -208,6 +208,13 @@ def test_a_critic_path_without_a_model_is_refused(write_experiment, tmp_path):
         _load_checked(path)
 
 
+def test_a_load_balancing_loss_needs_a_mixture_of_experts(write_experiment):
+    path = write_experiment(update={"moe_aux_loss_coef": 0.01})
+    with pytest.raises(ConfigError, match=r"update\.moe_aux_loss_coef: 0\.01 asks for a load-balancing loss, "
+                                          r"but .* is not a mixture-of-experts model"):
+        _load_checked(path)
+
+
 def test_shared_memory_weights_need_one_node(write_experiment):
     def resident(nodes: int) -> dict:
         return {"kind": "slurm", "mode": "resident",

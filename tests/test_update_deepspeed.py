@@ -10,6 +10,7 @@ import json
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -35,9 +36,10 @@ def _sampler_logprobs(rows: list[dict], exp: config.Experiment) -> None:
 
 
 def _commit_inputs(run: RunDir, exp: config.Experiment, tokenizer,
-                   sampler_logprob: float | None = None) -> None:
+                   sampler_logprob: float | None = None, reward: float | None = None) -> None:
     """Committed generate and score outputs of iteration 0: the policy's own logprobs as the
-    sampler's, or `sampler_logprob` for every token (a sampler far from the trainer)."""
+    sampler's, or `sampler_logprob` for every token (a sampler far from the trainer); each
+    sample's correctness as its reward, or `reward` for all."""
     rng = np.random.default_rng(0)
     rows = []
     for p in range(exp.algorithm.prompts_per_iteration):
@@ -58,7 +60,7 @@ def _commit_inputs(run: RunDir, exp: config.Experiment, tokenizer,
     w = commit.StageWriter(commit.fresh_temp_dir(run.stage_dir(0, "generate")))
     w.write_table("rollouts", rollouts)
     commit.commit(run.stage_dir(0, "generate"), w, {"stage": "generate", "policy_version": 0})
-    reward = [float(r["response_text"] == r["ground_truth"]) for r in rows]
+    reward = [float(r["response_text"] == r["ground_truth"]) if reward is None else reward for r in rows]
     w = commit.StageWriter(commit.fresh_temp_dir(run.stage_dir(0, "score")))
     w.write_table("scores", pa.table({
         "split": rollouts["split"], "prompt_index": rollouts["prompt_index"],
@@ -82,6 +84,38 @@ def _run_update(write_experiment, name: str, algorithm: dict | None = None, **up
 
 def _weights(run: RunDir) -> dict[str, torch.Tensor]:
     return load_file(run.stage_dir(0, "update") / "policy" / "model.safetensors")
+
+
+def test_an_moe_update_records_routing_and_trains_the_routers_by_their_aux_loss(write_experiment, tiny_task,
+                                                                                 tmp_path):
+    """Every reward equal: no policy gradient, so the load-balancing loss alone moves weights: those
+    the routers' inputs depend on, never the final norm, the head or the last layer's experts."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import load_tool
+
+    model = load_tool("tiny_models").build("qwen3_moe", tmp_path / "moe", tiny_task / "model")
+    exp = config.load(write_experiment("moe", model={"path": str(model)}, run={"iterations": 1},
+                                       update={"moe_aux_loss_coef": 1.0}))
+    run, _ = runs.prepare(exp, "moe")
+    _commit_inputs(run, exp, AutoTokenizer.from_pretrained(exp.model.path), reward=1.0)
+    job = executors.LocalExecutor(run, exp).submit("update", 0).job
+    job.results()
+    assert "[update] iteration 0: step 2/2" in job.stdout()
+    before, after = load_file(model / "model.safetensors"), _weights(run)
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    downstream = {n for n in before
+                  if n.startswith(("lm_head.", "model.norm.", "model.layers.1.mlp.experts."))}
+    assert {f"model.layers.{i}.mlp.gate.weight" for i in range(2)} <= moved
+    assert downstream and not moved & downstream and "model.embed_tokens.weight" in moved
+    stats = pq.read_table(run.stage_dir(0, "update") / "stats.parquet").to_pylist()
+    assert len(stats) == 2  # update.mini_batches
+    for s in stats:
+        load = np.array(s["expert_load"])
+        assert load.shape == (2, 4) and np.allclose(load.mean(1), 1.0)  # layers x experts, even share 1
+        assert s["moe_load_max"] == load.max() and s["moe_load_min"] == load.min()
+    metrics = commit.read_manifest(run.stage_dir(0, "update"))["metrics"]
+    assert metrics["moe/aux_loss"] > 0 and metrics["moe/load_max"] >= 1 >= metrics["moe/load_min"]
 
 
 @pytest.fixture(scope="module")
@@ -315,16 +349,19 @@ def test_old_logprobs_from_the_sampler_skip_the_recompute(write_experiment):
 
 
 def test_an_update_whose_trainer_disagrees_with_the_sampler_stops_uncommitted(write_experiment):
-    """The staged mode's check that the trainer computes the model that sampled (hpcrl.agreement)."""
+    """The staged mode's check that the trainer computes the model that sampled (hpcrl.agreement),
+    made at the first optimizer step: the update's other steps are never taken."""
     from transformers import AutoTokenizer
 
     exp = config.load(write_experiment("disagree", run={"iterations": 1}))
     run, _ = runs.prepare(exp, "disagree")
     _commit_inputs(run, exp, AutoTokenizer.from_pretrained(exp.model.path), sampler_logprob=-1.0)
+    job = executors.LocalExecutor(run, exp).submit("update", 0).job
     with pytest.raises(Exception, match=r"ModelMismatchError: iteration 0: the trainer's logprobs of the "
                                         r"sampled tokens differ from vLLM's by \S+ on average"):
-        executors.LocalExecutor(run, exp).submit("update", 0).job.results()
+        job.results()
     assert not commit.is_committed(run.stage_dir(0, "update"))
+    assert "[update] iteration 0: step" not in job.stdout()  # no step finished (each prints a line)
 
 
 class PoisonedUpdate(executors.StageCall):
