@@ -132,12 +132,41 @@ def one_rank(tmp_path_factory, tiny_task):
     return _run_update(write, "one", zero_stage=2, world_size=1)
 
 
+class ViewDumpingUpdate(executors.StageCall):
+    """The update stage job, which also streams the policy's checkpoint view (what the resident
+    sync sends: Actor.checkpoint_weights, under ZeRO-3 gathered layer by layer by every rank) after
+    saving; rank 0 writes it beside the run as view.safetensors."""
+
+    def __call__(self) -> None:
+        from safetensors.torch import save_file
+
+        from hpcrl.actor import Actor
+
+        save = Actor.save
+
+        def save_and_dump(actor, ctx):
+            save(actor, ctx)
+            view = {name: t.detach().clone() for name, t in actor.checkpoint_weights()}
+            if actor.rank == 0:
+                save_file(view, str(ctx.run.root / "view.safetensors"))
+
+        Actor.save = save_and_dump
+        super().__call__()
+
+
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_two_ranks_match_one_rank_and_export_reloads_exactly(write_experiment, one_rank, zero_stage):
+def test_two_ranks_match_one_rank_and_export_reloads_exactly(write_experiment, one_rank, zero_stage,
+                                                             monkeypatch):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
 
+    monkeypatch.setattr(executors, "_call", lambda run, stage, it: ViewDumpingUpdate(
+        "stages.update", str(run.root), it))
     run = _run_update(write_experiment, f"z{zero_stage}", zero_stage=zero_stage, world_size=2)
+    # the sync's view of the sharded policy is exactly the saved checkpoint
+    view = load_file(run.root / "view.safetensors")
+    assert view.keys() == _weights(run).keys()
+    assert all(torch.equal(view[k], v) for k, v in _weights(run).items())
     stats = commit.read_table(run.stage_dir(0, "update"), "stats").to_pylist()
     assert len(stats) == 2 and all(s["grad_norm"] > 0 for s in stats)  # 2 mini-batches, real gradients
     two, one = _weights(run), _weights(one_rank)
