@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import submitit
 
-from hpcrl import alerts, commit, executors, plan, pruning
+from hpcrl import adoption, alerts, commit, executors, plan, pruning
 from hpcrl.config import Experiment
 from hpcrl.rundir import RunDir, RunLock
 from hpcrl.stage_kinds import GENERATE, KINDS, ORDER, SCORE, UPDATE
@@ -141,7 +141,7 @@ class Controller:
     def _drive(self, executor, tracker: Tracker) -> None:
         """Run the uncommitted stages in order; with Slurm, keep `lookahead` more queued behind
         the running one (afterok), so queue wait overlaps work."""
-        queue: list[executors.StageJob] = []
+        queue = self._adopted(executor)
         failures: dict[tuple[int, str], int] = {}
         try:
             while True:
@@ -170,14 +170,42 @@ class Controller:
                 job.cancel()
             raise
 
+    def _adopted(self, executor) -> list[executors.StageJob]:
+        """The live jobs an earlier controller of this run left for its first pending stages, to
+        wait for instead of submitting them again; stranded ones cancelled (hpcrl.adoption)."""
+        records = [r for r in self.run.jobs() if r["role"] in ORDER]
+        if not records or not hasattr(executor, "adopt"):
+            return []
+        adopt, stranded = adoption.plan(plan.pending_stages(self.run, self.exp), records,
+                                        adoption.states_of(records))
+        for job_id in stranded:
+            self.echo(f"job {job_id} waits behind a stage that has no live job; cancelled")
+            executor.cancel(job_id)
+        for r in adopt:
+            self.echo(f"iter {r['iteration']} {r['role']}: job {r['job_id']} of an earlier controller is "
+                      "still queued or running; waiting for it (not submitted again)")
+        return [executor.adopt(r["job_id"], r["role"], r["iteration"]) for r in adopt]
+
+    def _resident_job(self, executor) -> executors.StageJob:
+        """The live resident job an earlier controller submitted, or a new one."""
+        records = [r for r in self.run.jobs() if r["role"] == "resident"]
+        live = adoption.live_resident(records, adoption.states_of(records)) \
+            if records and hasattr(executor, "adopt") else None
+        if live is not None:
+            self.echo(f"resident job {live['job_id']} of an earlier controller is still queued or running; "
+                      "following it (not submitted again)")
+            return executor.adopt(live["job_id"], "resident", None)
+        job = executor.submit("resident", None)
+        self.run.record_job(job.job_id, "resident", None)
+        return job
+
     def _drive_resident(self, executor, tracker: Tracker) -> None:
         """One job runs every stage; follow its commits as they land (same lines, same MLflow
         logging as the staged mode) and resubmit it, continuing, if it fails."""
         failures: dict[tuple[int, str], int] = {}
         reported = {ks for ks in plan.all_stages(self.exp) if commit.is_committed(self.run.stage_dir(*ks))}
         while plan.pending_stages(self.run, self.exp):
-            job = executor.submit("resident", None)
-            self.run.record_job(job.job_id, "resident", None)
+            job = self._resident_job(executor)
             self.echo(f"resident job {job.job_id}: {self.exp.update.world_size} trainer rank(s) + 1 "
                       f"generator; logs in {job.log_paths()[0].parent}")
             try:

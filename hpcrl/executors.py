@@ -46,6 +46,8 @@ def slurm_parameters(exp: Experiment, role: str, run_name: str) -> dict:
     params: dict = {"job_name": f"hpcrl-{run_name}-{role}", "nodes": r.nodes, "ntasks_per_node": tasks,
                     "cpus_per_task": r.cpus_per_task, "time": r.time_min,
                     "additional_parameters": {"requeue": True, **r.extra}}
+    if role in ("controller", "resident"):  # one at a time per run (the job name holds the run's)
+        params["dependency"] = "singleton"
     if r.gpus_per_node:
         params["gpus_per_node"] = r.gpus_per_node
     if r.mem_gb:
@@ -160,12 +162,23 @@ class SlurmExecutor:
         params = slurm_parameters(self.exp, stage, self.run.root.name)
         if iteration is not None:
             params["job_name"] += f"-{iteration}"
-        if after is not None:
+        if after is not None:  # and if that job fails, this one leaves the queue at once
             params["dependency"] = f"afterok:{after.job_id}"
+            params["additional_parameters"]["kill_on_invalid_dep"] = "yes"
         self._ex.update_parameters(**params)
         job = self._ex.submit(_call(self.run, stage, iteration))
         return StageJob(job, stage, iteration)
 
+    def adopt(self, job_id: str, stage: str, iteration: int | None) -> StageJob:
+        """A job submitted earlier (by a controller before this one), followed as if submitted now."""
+        job = submitit.SlurmJob(folder=self.run.logs / "%j", job_id=job_id,
+                                tasks=range(tasks_for(self.exp, stage)))
+        return StageJob(job, stage, iteration)
+
+    def cancel(self, job_id: str) -> None:
+        submitit.SlurmJob(folder=self.run.logs / "%j", job_id=job_id).cancel(check=False)
+
 
 def make(run: RunDir, exp: Experiment) -> LocalExecutor | SlurmExecutor:
     return {"local": LocalExecutor, "slurm": SlurmExecutor}[exp.executor.kind](run, exp)
+

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # v2: rollouts gained `round` and `kept` (dynamic sampling, hpcrl/dynamic_sampling.py), the update
 # its PPO columns (token advantages, values, returns, critic stats). Readers take v1 rollouts, which
 # lack `round` and `kept`, as round 0 with every training row kept.
+# v3: the update's stats gained the mixture-of-experts routing columns (hpcrl/moe.py; null for a
+# dense model). No reader needs them: v2 stats read as before.
 
 # The key of one sample across the generate, score and update outputs.
 SAMPLE_KEYS = ("split", "prompt_index", "sample_index")

@@ -200,7 +200,9 @@ def commit_update(run: RunDir, exp: Experiment, k: int, rollouts: pa.Table, scor
         "is_weight_mean": 1 + 0.01 * rng.normal(0, 1, steps), "is_weight_max": 1.2 + 0.1 * rng.random(steps),
         "grad_norm": 1 + 2 * rng.random(steps),
         "lr": np.full(steps, exp.update.lr), "tokens": np.full(steps, 1000, np.int64),
-        **{c: pa.nulls(steps, pa.float64()) for c in ("vf_loss", "vf_clipfrac", "vf_grad_norm")}})
+        **{c: pa.nulls(steps, pa.float64()) for c in ("vf_loss", "vf_clipfrac", "vf_grad_norm",
+                                                      "moe_load_max", "moe_load_min", "moe_aux_loss")},
+        "expert_load": pa.nulls(steps, pa.list_(pa.list_(pa.float64())))})
     n = train.num_rows
     advantages = pa.table({**{c: train[c] for c in schemas.SAMPLE_KEYS}, "advantage": adv,
                            "old_logprobs": train["logprobs"],
@@ -208,7 +210,7 @@ def commit_update(run: RunDir, exp: Experiment, k: int, rollouts: pa.Table, scor
                            else pa.nulls(n, pa.list_(pa.float32())),
                            **{c: pa.nulls(n, pa.list_(pa.float32()))
                               for c in ("token_advantages", "values", "returns")}})
-    mean = {c: float(np.mean(stats[c].to_numpy())) for c in stats.column_names}
+    mean = {c: float(np.mean(stats[c].to_numpy())) for c in stats.column_names if c != "expert_load"}
     t = _timings(rng, 15.0)
     m = {"actor/loss": mean["loss"], "actor/pg_loss": mean["pg_loss"],
          "actor/pg_clipfrac": mean["pg_clipfrac"],
