@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from hpcrl import cli_retention, cli_status, commit, config, plan
+from hpcrl import cli_retention, cli_status, commit, config, plan, requeue
 from hpcrl.cli_errors import Main
 from hpcrl.cli_errors import fail as _fail
 from hpcrl.config import ConfigError
@@ -123,9 +123,12 @@ def _dry_run(experiment: Path, sets: tuple[str, ...]) -> None:
         paths = sbatch.write_all(run, exp, out)
     except ConfigError as err:
         _fail(str(err))
-    from hpcrl import disk_budget
+    from hpcrl import disk_budget, placement
 
     click.echo(disk_budget.describe(disk_budget.estimate(exp)))
+    gpus = placement.describe(exp)
+    if gpus is not None:
+        click.echo("GPU placement (each task on its own GPUs):\n" + gpus)
     state = (f"the existing run {run.root} is left as it is" if frozen is not None
              else f"no run created at {run.root}")
     click.echo(f"dry run: config, model, tokenizer, data, rewards and batch shape checked; wrote the "
@@ -183,6 +186,7 @@ def resume(run_dir: Path) -> None:
         run, exp = runs.open_run(run_dir)
     except ConfigError as err:
         _fail(str(err))
+    requeue.install_by_hand(str(run_dir))  # the controller's script submitted by hand
     _drive(run, exp)
 
 

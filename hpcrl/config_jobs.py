@@ -16,6 +16,37 @@ SBATCH_OPTION = re.compile(r"[a-z][a-z0-9-]*")
 SBATCH_VALUE = re.compile(r"[A-Za-z0-9_.,:=@%/+\-\[\]]*")
 
 
+class ContainerConfig(Section):
+    image: str = Field("", description="The image the role's job steps run in (empty: none): for Pyxis an "
+                       "enroot image (\"registry#hpcrl:0.4\", docker://..., or a .sqsh file), for Apptainer "
+                       "a .sif file or URI. Any characters; scripts quote it.")
+    runtime: Literal["pyxis", "apptainer"] = Field(
+        "pyxis", description="`pyxis`: `srun --container-image=...` (Slurm's Pyxis plugin). `apptainer`: the "
+        "step runs `apptainer exec [--nv] --bind ... IMAGE python ...` (--nv when the role has GPUs).")
+    mounts: list[str] = Field([], description="Host paths visible inside, each \"src:dst\" (or \"path\"): "
+                              "run.runs_root, the model and the data must be at the same paths inside.")
+    workdir: str = Field("", description="Working directory inside the container (empty: the runtime's "
+                         "default).")
+
+
+class JobEnv(Section):
+    setup: list[str] = Field([], description="Shell lines a job runs before its command, in the batch script "
+                             "(module load, conda activate, export ...), run by the job's own shell.")
+    python: str = Field("", description="The command that runs Python on the compute node (shell words, e.g. "
+                        "\"/opt/venv/bin/python\"); empty: the interpreter that submitted, or `python` in a "
+                        "container.")
+    srun_args: list[str] = Field([], description="More srun options for the job's step, e.g. "
+                                 "[\"--cpu-bind=cores\"].")
+    container: ContainerConfig = Field(ContainerConfig(), description="A container image for the job's steps "
+                                       "(image empty: none).")
+
+    @field_validator("setup", "srun_args", "python")
+    @classmethod
+    def _no_nul(cls, v):
+        if any("\x00" in s for s in ([v] if isinstance(v, str) else v)):
+            raise ValueError("a NUL character cannot reach a shell script")
+        return v
+
 
 class SlurmResources(Section):
     partition: str = Field("", description="Slurm partition (empty: the cluster's default).")
@@ -29,18 +60,23 @@ class SlurmResources(Section):
     account: str = Field("", description="Slurm account.")
     qos: str = Field("", description="Slurm QOS.")
     constraint: str = Field("", description="Node features (--constraint).")
-    extra: dict[str, str] = Field({}, description="More sbatch options, e.g. {exclude = \"n3\"}: each key an "
-                                  "sbatch long option name, each value plain (letters, digits, "
-                                  "_.,:=@%/+-[]); never run by a shell.")
+    extra: dict[str, str | bool] = Field(
+        {}, description="More sbatch options, e.g. {exclude = \"n3\", exclusive = true}: each key an sbatch "
+        "long option name, each value plain (letters, digits, _.,:=@%/+-[]) or true for a bare flag; never "
+        "run by a shell.")
+    env: JobEnv | None = Field(None, description="This role's job environment, key by key over "
+                               "[executor.env] (the controller takes no container from there).")
 
     @field_validator("extra")
     @classmethod
-    def _sbatch_options(cls, v: dict[str, str]) -> dict[str, str]:
+    def _sbatch_options(cls, v: dict[str, str | bool]) -> dict[str, str | bool]:
         for key, value in v.items():
             if not SBATCH_OPTION.fullmatch(key):
                 raise ValueError(f"{key!r} is not an sbatch option name (expected a long option without its "
                                  "dashes: lowercase letters, digits and '-', e.g. exclude)")
-            if not SBATCH_VALUE.fullmatch(value):
+            if value is False:
+                raise ValueError(f"sbatch option --{key} = false: leave the key out instead")
+            if value is not True and not SBATCH_VALUE.fullmatch(value):
                 raise ValueError(f"sbatch option --{key} has the value {value!r}; expected only letters, "
                                  "digits and _.,:=@%/+-[] (no spaces, quotes or shell characters)")
         return v
@@ -95,6 +131,14 @@ class ExecutorBase(Section):
     timeout_min: int = Field(60, ge=1, description="Time limit of one local stage job in minutes.")
     lookahead: int = Field(2, ge=0, description="Slurm: stages submitted ahead of the running one with "
                            "afterok dependencies.")
+    env: JobEnv = Field(JobEnv(), description="Slurm: how every job runs its command (a preamble, the "
+                        "interpreter, srun options, a container); a role's own `env` overrides it key by "
+                        "key.")
+    signal_delay_s: int = Field(90, ge=10, description="Slurm: seconds before its time limit that a job is "
+                                "signalled (USR2): the update saves its progress, and the job is requeued.")
+    max_requeues: int = Field(3, ge=0, description="Slurm: time-limit requeues of one job before it is left "
+                              "to end (submitit's max_num_timeout; the same budget for scripts submitted by "
+                              "hand, counted by SLURM_RESTART_COUNT).")
     controller: SlurmResources = Field(SlurmResources(cpus_per_task=1, time_min=1440),
                                        description="Slurm resources of the controller job.")
     generate: SlurmResources = Field(SlurmResources(), description="Slurm resources of generate jobs.")

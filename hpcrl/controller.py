@@ -314,9 +314,7 @@ class ControllerCall(submitit.helpers.Checkpointable):
 
 def submit_controller(run: RunDir, exp: Experiment) -> str:
     """Submit the controller of `run` as a Slurm job; returns its job id."""
-    ex = submitit.SlurmExecutor(folder=run.logs / "%j")
-    ex.update_parameters(**executors.slurm_parameters(exp, "controller", run.root.name))
-    job = ex.submit(ControllerCall(str(run.root)))
+    job = executors.submitit_executor(run, exp, "controller").submit(ControllerCall(str(run.root)))
     run.record_job(str(job.job_id), "controller", None)
     return str(job.job_id)
 

@@ -65,14 +65,21 @@ def export_env() -> None:
 
 
 def _export_from_srun() -> None:
-    import subprocess
+    # submitit's parser of Slurm's host lists ("n[1-3,5]"): no `scontrol`, which a container lacks
+    from submitit.slurm.slurm import _parse_node_list
 
-    first = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_STEP_NODELIST"]],
-                           capture_output=True, text=True, check=True).stdout.split()[0]
+    first = _parse_node_list(os.environ["SLURM_STEP_NODELIST"])[0]
     tasks, nodes = int(os.environ["SLURM_STEP_NUM_TASKS"]), int(os.environ.get("SLURM_STEP_NUM_NODES", "1"))
     os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=str(tasks),
                       LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"), LOCAL_WORLD_SIZE=str(tasks // nodes),
                       MASTER_ADDR=first, MASTER_PORT=str(20000 + int(os.environ["SLURM_JOB_ID"]) % 40000))
+
+
+def default_backend(cuda: bool) -> str:
+    """The backend of the trainers' default group: on GPUs, CUDA tensors over NCCL and CPU tensors
+    over gloo (the update all-reduces statistics and the preemption flag as CPU tensors, which an
+    NCCL-only group refuses: "No backend type associated with device type cpu"); gloo on CPU."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
 def init(timeout_s: float = 1800) -> tuple[int, int]:
@@ -89,7 +96,7 @@ def init(timeout_s: float = 1800) -> tuple[int, int]:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
+    deepspeed.init_distributed(dist_backend=default_backend(cuda), timeout=timedelta(seconds=timeout_s),
                                verbose=False)
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import submitit
 
-from hpcrl import stage_kinds
+from hpcrl import job_env, stage_kinds
 from hpcrl.config import Experiment
 from hpcrl.distributed import free_port
 from hpcrl.rundir import RunDir
@@ -56,6 +56,24 @@ def slurm_parameters(exp: Experiment, role: str, run_name: str) -> dict:
         if getattr(r, key):
             params[key] = getattr(r, key)
     return params
+
+
+def submitit_executor(run: RunDir, exp: Experiment, role: str, iteration: int | None = None,
+                      after: str | None = None) -> submitit.SlurmExecutor:
+    """submitit's executor for one job of `role`: the resources, the job environment
+    (hpcrl.job_env), the signal and the requeue budget; after job `after` succeeds, if given."""
+    params = slurm_parameters(exp, role, run.root.name)
+    if iteration is not None:
+        params["job_name"] += f"-{iteration}"
+    if after is not None:  # and if that job fails, this one leaves the queue at once
+        params["dependency"] = f"afterok:{after}"
+        params["additional_parameters"]["kill_on_invalid_dep"] = "yes"
+    env = job_env.job_environment(exp, role, tasks_for(exp, role) if role != "controller" else 1)
+    ex = submitit.SlurmExecutor(folder=run.logs / "%j", python=env.python,
+                                max_num_timeout=exp.executor.max_requeues)
+    ex.update_parameters(**params, setup=list(env.setup), srun_args=list(env.srun_args),
+                         signal_delay_s=exp.executor.signal_delay_s, wckey=None)
+    return ex
 
 
 def tasks_for(exp: Experiment, stage: str) -> int:
@@ -156,18 +174,10 @@ class SlurmExecutor:
         self.exp = exp
         self.run = run
         self.lookahead = exp.executor.lookahead
-        self._ex = submitit.SlurmExecutor(folder=run.logs / "%j")
 
     def submit(self, stage: str, iteration: int | None, after: StageJob | None = None) -> StageJob:
-        params = slurm_parameters(self.exp, stage, self.run.root.name)
-        if iteration is not None:
-            params["job_name"] += f"-{iteration}"
-        if after is not None:  # and if that job fails, this one leaves the queue at once
-            params["dependency"] = f"afterok:{after.job_id}"
-            params["additional_parameters"]["kill_on_invalid_dep"] = "yes"
-        self._ex.update_parameters(**params)
-        job = self._ex.submit(_call(self.run, stage, iteration))
-        return StageJob(job, stage, iteration)
+        ex = submitit_executor(self.run, self.exp, stage, iteration, after.job_id if after else None)
+        return StageJob(ex.submit(_call(self.run, stage, iteration)), stage, iteration)
 
     def adopt(self, job_id: str, stage: str, iteration: int | None) -> StageJob:
         """A job submitted earlier (by a controller before this one), followed as if submitted now."""

@@ -12,6 +12,7 @@ committed output: the stage commit removes it.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 from pathlib import Path
@@ -49,14 +50,17 @@ class Guard:
         return bool(flag.item())
 
     def hand_over(self) -> None:
-        """Let submitit requeue the job (rank 0) and end this process."""
+        """Let the signal's own handler requeue the job (task 0) and end this process. That handler
+        is submitit's, or hpcrl.requeue's in a script submitted by hand; on other tasks it returns,
+        and they exit 0: a bad exit would let srun (--kill-on-bad-exit) kill task 0 before its
+        requeue."""
         if dist.is_initialized():
             dist.barrier()
         previous = self._previous
         signal.signal(self.signum, previous)
         if callable(previous):
-            previous(self.signum, None)  # submitit: checkpoint, requeue and exit (rank 0)
-        raise SystemExit(-1)
+            previous(self.signum, None)  # task 0: checkpoint, requeue and exit
+        raise SystemExit(0 if int(os.environ.get("SLURM_PROCID") or 0) else -1)
 
 
 def save_progress(engines: dict, stage_dir: Path, rank: int, progress: object) -> Path:

@@ -1,6 +1,7 @@
-"""Checks before any job starts: the model, the tokenizer, the data, the reward sources and the
-batch shape of an experiment. Every problem is reported at once with the config file, the key
-and what was expected, so no compute is spent on a run that cannot work.
+"""Checks before any job starts: the model, the tokenizer, the data, the reward sources, the
+batch shape and the runs root (writable, with working file locks) of an experiment. Every problem
+is reported at once with the config file, the key and what was expected, so no compute is spent on
+a run that cannot work.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hpcrl import data, disk_budget, model_check, moe, rewards
+from hpcrl import data, disk_budget, model_check, moe, placement, rewards
 from hpcrl.config import ConfigError, Experiment
 from hpcrl.config_training import CriticConfig, ModelConfig, RunConfig
 from hpcrl.stage_kinds import ORDER
@@ -187,13 +188,17 @@ def _check_slurm(exp: Experiment) -> list[str]:
             sbatch.directives(executors.slurm_parameters(exp, role, exp.run.name), Path("logs"))
         except ConfigError as err:
             problems.append(str(err).replace("executor:", f"executor.{role}:", 1))
+    try:
+        placement.describe(exp)
+    except placement.PlacementError as err:
+        problems.append(str(err))
     return problems
 
 
 def _check_runs_root(run: RunConfig) -> list[str]:
     """run.runs_root: a directory this user can write in, or one that can be created."""
     root = Path(run.runs_root)
-    existing = next(p for p in (root, *root.parents) if p.exists())
+    existing = _nearest_existing(root)
     if not existing.is_dir():
         return [f"run.runs_root: {root}: {existing} is not a directory"]
     if not os.access(existing, os.W_OK | os.X_OK):
@@ -201,11 +206,40 @@ def _check_runs_root(run: RunConfig) -> list[str]:
     return []
 
 
+def _nearest_existing(path: Path) -> Path:
+    return next(p for p in (path, *path.parents) if p.exists())
+
+
+def _check_locks(run: RunConfig) -> list[str]:
+    """flock(2) works where run.runs_root is (or will be created): a controller locks its run with it.
+    Lustre mounted `noflock` or NFS without a lock manager fail here, not at the controller's start."""
+    import fcntl
+    import tempfile
+
+    from hpcrl.rundir import locks_unsupported
+
+    root = Path(run.runs_root)
+    existing = _nearest_existing(root)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".hpcrl-lock-probe-", dir=existing)
+    except OSError as err:
+        return [f"run.runs_root: {root}: cannot create a file in {existing}: {err.strerror}"]
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: only a filesystem without locks fails
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except OSError as err:
+        return [f"run.runs_root: {root}: {locks_unsupported(existing, err)}"]
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+    return []
+
+
 def check(exp: Experiment, source: str) -> list[str]:
     """Raise ConfigError listing every problem found in the experiment `source`; return notes
     for the user (prompts dropped by the length filter)."""
     problems, model_cfg = _check_model(exp.model)
-    problems += _check_runs_root(exp.run)
+    problems += _check_runs_root(exp.run) or _check_locks(exp.run)
     # AutoTokenizer reads the model's config.json too: its problem is reported already
     tok_problems, tok = ([], None) if model_cfg is None and not exp.model.tokenizer else \
         _check_tokenizer(exp, model_cfg)

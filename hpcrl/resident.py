@@ -29,7 +29,7 @@ import traceback
 
 import submitit
 
-from hpcrl import plan, transports, weight_sync
+from hpcrl import distributed, placement, plan, requeue, transports, weight_sync
 from hpcrl.config import Experiment
 from hpcrl.roles import HEARTBEAT_S, ControlPlane, Layout, job_secret
 from hpcrl.rundir import RunDir
@@ -72,6 +72,7 @@ def _sync_setup(exp: Experiment, run: RunDir, plane: ControlPlane, me: str,
 
 
 def _backend() -> str:
+    """The weight sync's backend (it moves the trainer's device tensors)."""
     import torch
 
     return "nccl" if torch.cuda.is_available() else "gloo"
@@ -85,11 +86,12 @@ class ResidentCall(submitit.helpers.Checkpointable):
         self.run_dir = run_dir
 
     def __call__(self) -> None:
-        from hpcrl import distributed, runs
+        from hpcrl import runs
 
         distributed.export_env()
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         run, exp = runs.open_run(self.run_dir)
+        placement.bind(exp, rank)  # this task's own GPUs, before anything touches CUDA
         layout = Layout(exp.update.world_size)
         if world != layout.world_size:
             raise RuntimeError(f"the resident job has {world} tasks; update.world_size = "
@@ -138,8 +140,8 @@ class Trainer:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(_backend(), store=dist.PrefixStore("trainers", plane.store), rank=rank,
-                                world_size=world)
+        dist.init_process_group(distributed.default_backend(torch.cuda.is_available()),
+                                store=dist.PrefixStore("trainers", plane.store), rank=rank, world_size=world)
         self.stage = UpdateStage(exp, run, rank, world, resident=True)
         self.stage.setup(run.latest_saved_version())
         self.actor = self.stage.actor
@@ -333,7 +335,9 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m hpcrl.resident", description=main.__doc__)
     parser.add_argument("--run-dir", required=True)
-    ResidentCall(parser.parse_args(argv).run_dir)()
+    run_dir = parser.parse_args(argv).run_dir
+    requeue.install_by_hand(run_dir)
+    ResidentCall(run_dir)()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ version: stages committed after it are moved aside (`rollback`), never overwritt
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
 import json
 import os
@@ -33,8 +34,38 @@ CONFIG_FILE = "experiment.toml"
 RUN_FILE = "run.json"
 
 
+# What flock(2) fails with on a filesystem without working locks: Lustre mounted `noflock` (ENOSYS),
+# NFS without a lock manager (ENOLCK), others that do not implement it (EINVAL, EOPNOTSUPP).
+NO_LOCKS = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP})
+
+
 class RunLockedError(RuntimeError):
-    """Another controller holds the run."""
+    """The run's lock cannot be taken: another controller holds it."""
+
+
+class LocksUnsupportedError(RunLockedError):
+    """The run's lock cannot be taken: flock(2) does not work on the run's filesystem."""
+
+
+def locks_unsupported(where: str | os.PathLike, err: OSError) -> str:
+    """Why runs cannot be locked in `where` (flock failed with `err`), and what to do."""
+    name = errno.errorcode.get(err.errno, str(err.errno))
+    return (f"file locks do not work on the filesystem of {where}: flock(2) fails with {name} "
+            f"({os.strerror(err.errno)}); hpcrl needs them to let one controller drive a run. Expected a "
+            "filesystem with working locks: mount Lustre with the option `flock` (not `localflock` or "
+            "`noflock`), NFS with a running lock manager (not `nolock`) (see `mount | grep <filesystem>`), "
+            "or set run.runs_root to a filesystem where they work (docs/slurm.md, \"Shared filesystems: "
+            "tracking and locks\")")
+
+
+def flock(fd: int, operation: int, path: str | os.PathLike) -> None:
+    """fcntl.flock on the open file `path`; on a filesystem without working locks, LocksUnsupportedError."""
+    try:
+        fcntl.flock(fd, operation)
+    except OSError as err:
+        if err.errno in NO_LOCKS:
+            raise LocksUnsupportedError(locks_unsupported(path, err)) from err
+        raise
 
 
 @dataclass(frozen=True)
@@ -207,7 +238,7 @@ class RunLock:
     def acquire(self) -> None:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, self.path)
         except BlockingIOError:
             holder = os.read(fd, 512).decode(errors="replace").strip() or "unknown process"
             os.close(fd)
@@ -215,6 +246,9 @@ class RunLock:
                 f"run {self.path.parent} is already driven by another controller ({holder}); "
                 "stop it first, or wait for it to finish"
             ) from None
+        except (LocksUnsupportedError, OSError):
+            os.close(fd)
+            raise
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
         self._fd = fd

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import shlex
 import shutil
-import sys
 from pathlib import Path
 
 import jinja2
 
-from hpcrl import config, executors, plan
+from hpcrl import config, executors, job_env, plan
 from hpcrl.config import SBATCH_OPTION, SBATCH_VALUE, ConfigError, Experiment
 from hpcrl.rundir import RunDir
 
@@ -56,7 +55,11 @@ def render(run: RunDir, exp: Experiment, role: str, iteration: int | None = None
     params = executors.slurm_parameters(exp, role, run.root.name)
     if iteration is not None:
         params["job_name"] += f"-{iteration}"
-    ctx = {"directives": directives(params, run.logs), "python": shlex.quote(sys.executable),
+    # what submitit adds to every job it submits: the pre-timeout signal and appending logs
+    params["additional_parameters"].update(signal=f"USR2@{exp.executor.signal_delay_s}", open_mode="append")
+    env = job_env.job_environment(exp, role, executors.tasks_for(exp, role) if role != "controller" else 1)
+    ctx = {"directives": directives(params, run.logs), "python": env.python, "setup": env.setup,
+           "srun_args": "".join(shlex.quote(a) + " " for a in env.srun_args),
            "run_dir": repr(str(run.root)), "run_dir_q": shlex.quote(str(run.root))}
     if role in ("controller", "resident"):
         return _env().get_template(f"{role}.sbatch.j2").render(**ctx)

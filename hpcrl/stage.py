@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from hpcrl import commit, config, stage_kinds
+from hpcrl import commit, config, requeue, stage_kinds
 from hpcrl.rundir import RunDir
 
 PROCESS_STARTED = time.time()
@@ -246,6 +246,7 @@ def job_main(name: str, argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", required=True, help="run directory (holds the frozen experiment.toml)")
     parser.add_argument("--iteration", type=int, required=True, help="iteration number, from 0")
     args = parser.parse_args(argv)
+    requeue.install_by_hand(args.run_dir)
     if not kind.on_trainers:
         run_stage(name, args.run_dir, args.iteration, _job_body(kind))
         return

@@ -1,18 +1,27 @@
 """MLflow tracking: one MLflow run per hpcrl run, fed by the controller from stage manifests.
 
 Compute jobs never talk to MLflow; the controller logs what each committed manifest says, so a
-run directory can always be re-logged. A tracking failure is reported, never fatal: MLflow is a
-view of the run directory, not its truth.
+run directory can always be re-logged. A tracking failure is reported once and is never fatal:
+the controller goes on without tracking, since MLflow is a view of the run directory, not its truth.
+The default store is one SQLite file shared by every run under the runs root; on a network
+filesystem, or with many runs at once, it is better replaced by a tracking server.
 """
 
 from __future__ import annotations
 
+import re
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from hpcrl import config
 from hpcrl.config import Experiment
 from hpcrl.rundir import RunDir
+
+SHARED_FS_DOC = 'docs/slurm.md, "Shared filesystems: tracking and locks"'
+# Filesystem types (as /proc/mounts names them) shared over the network.
+NETWORK_FILESYSTEMS = frozenset({"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "smbfs", "ceph",
+                                 "fuse.ceph-fuse", "glusterfs", "fuse.glusterfs", "panfs", "wekafs",
+                                 "fuse.sshfs", "9p", "afs"})
 
 
 def default_uri(runs_root: str | Path) -> str:
@@ -32,41 +41,97 @@ def stage_metrics(stage: str, manifest: dict) -> dict[str, float]:
     return out
 
 
+def _sqlite_path(uri: str) -> Path | None:
+    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+
+
 def _restrict(uri: str, dir_mode: int) -> None:
     """The local store (mlflow.db) readable as the run directories are (group, not others)."""
     import os
 
-    path = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+    path = _sqlite_path(uri)
     if path is not None and path.is_file() and path.stat().st_uid == os.getuid():
         os.chmod(path, dir_mode & 0o660)
+
+
+def filesystem_type(path: str | Path, mounts: str) -> str | None:
+    """The type of the filesystem that holds the absolute `path`, from the text of /proc/mounts:
+    that of the longest mount point above it (the last one mounted there, if several)."""
+    best, found = None, None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])  # \040: a space
+        if PurePosixPath(path).is_relative_to(point) and (best is None or len(point) >= len(best)):
+            best, found = point, fields[2]
+    return found
+
+
+def store_warning(uri: str, mounts: str) -> str | None:
+    """A warning when the SQLite store of `uri` lies on a network filesystem (`mounts`: /proc/mounts)."""
+    path = _sqlite_path(uri)
+    fstype = None if path is None else filesystem_type(path.resolve(), mounts)
+    if fstype not in NETWORK_FILESYSTEMS:
+        return None
+    return (f"warning: the MLflow tracking store {path} is on a {fstype} filesystem, where SQLite's locks "
+            "are slow or unreliable: with several runs at once a controller can lose its tracking to "
+            "`database is locked`; for many concurrent runs set tracking.tracking_uri to an MLflow "
+            f"tracking server backed by a real database ({SHARED_FS_DOC})")
+
+
+def failure_message(uri: str, err: Exception) -> str:
+    """What a tracking failure says: the store, the error, that the run goes on, and what to do."""
+    text = str(err).strip()
+    error = type(err).__name__ + (f": {text.splitlines()[0]}" if text else "")
+    if _sqlite_path(uri) is not None:
+        todo = ("the SQLite store is for one or a few runs at a time: for many concurrent runs set "
+                "tracking.tracking_uri to an MLflow tracking server backed by a real database")
+    else:
+        todo = "check that this tracking server is up and reachable from this node (its /health URL)"
+    return (f"warning: MLflow tracking at {uri} failed ({error}); the run goes on without tracking (its "
+            f"directory still has every metric: hpcrl status, hpcrl inspect). To fix it: {todo} "
+            f"({SHARED_FS_DOC})")
+
+
+def _read_mounts() -> str:
+    try:
+        return Path("/proc/mounts").read_text()
+    except OSError:
+        return ""
 
 
 class Tracker:
     def __init__(self, run: RunDir, exp: Experiment):
         self.enabled = exp.tracking.enabled
         self.run_id: str | None = None
+        self.uri = tracking_uri(exp)
         if not self.enabled:
             return
+        if warning := store_warning(self.uri, _read_mounts()):
+            print(warning, file=sys.stderr)
+        info = run.read_run_info()
+        self._guard(lambda: self._start(run, exp, info))
+
+    def _start(self, run: RunDir, exp: Experiment, info: dict) -> None:
         import mlflow
         from mlflow.tracking import MlflowClient
 
         self._mlflow = mlflow
-        uri = tracking_uri(exp)
-        self.client = MlflowClient(tracking_uri=uri)
-        info = run.read_run_info()
+        self.client = MlflowClient(tracking_uri=self.uri)
         self.run_id = info.get("mlflow_run_id")
         if self.run_id is None:
             exp_id = self._experiment_id(exp)
             mlrun = self.client.create_run(exp_id, run_name=exp.run.name,
                                            tags={"hpcrl.run_dir": str(run.root)})
             self.run_id = mlrun.info.run_id
-            run.write_run_info({**info, "mlflow_run_id": self.run_id, "mlflow_tracking_uri": uri})
+            run.write_run_info({**info, "mlflow_run_id": self.run_id, "mlflow_tracking_uri": self.uri})
             params = [mlflow.entities.Param(k, str(v)[:6000]) for k, v in config.flat(exp).items()]
             self.client.log_batch(self.run_id, params=params)
             self.client.log_artifact(self.run_id, str(run.config_path))
         else:
             self.client.update_run(self.run_id, status="RUNNING")
-        _restrict(uri, int(exp.run.dir_mode, 8))
+        _restrict(self.uri, int(exp.run.dir_mode, 8))
 
     def _experiment_id(self, exp: Experiment) -> str:
         found = self.client.get_experiment_by_name(exp.tracking.experiment)
@@ -112,10 +177,11 @@ class Tracker:
             self._guard(lambda: self.client.set_terminated(self.run_id, status=status))
 
     def _guard(self, call) -> None:
-        from mlflow.exceptions import MlflowException
-
+        """Make one MLflow call; at its first failure say so once and go on without tracking."""
+        if not self.enabled:
+            return
         try:
             call()
-        except (MlflowException, OSError) as err:
-            print(f"warning: MLflow logging failed ({err}); the run directory still has everything",
-                  file=sys.stderr)
+        except Exception as err:  # noqa: BLE001 - never fatal, whatever MLflow or its store raises
+            self.enabled = False
+            print(failure_message(self.uri, err), file=sys.stderr)

@@ -1,0 +1,123 @@
+"""Which GPUs each task of a job uses: the placement plan, and each task binding itself to it.
+
+Slurm places a job's tasks in blocks (`--ntasks-per-node`): node n holds tasks n*t .. n*t+t-1, and
+every task sees all of its node's GPUs (CUDA_VISIBLE_DEVICES lists them). The plan gives each
+task its own GPUs: a trainer rank one, the generator `generate.tensor_parallel_size`, disjoint on
+each node; with `executor.resident.colocate` the generator takes GPUs its node's trainers hold
+(vLLM sleeps through each update). Before anything touches CUDA, each task narrows
+CUDA_VISIBLE_DEVICES to its own GPUs (`bind`): inside the task they are cuda:0, cuda:1, ..., so
+no two ranks of one NCCL communicator share a device and vLLM cannot start on a trainer's GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from hpcrl.config import Experiment
+from hpcrl.stage_kinds import GENERATE, UPDATE
+
+
+class PlacementError(ValueError):
+    """The job's tasks do not fit on its GPUs; names the key and what was expected."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    task: int  # the task's global rank (SLURM_PROCID)
+    role: str  # "trainer <rank>" or "generator"
+    node: int  # the node's index in the job
+    gpus: tuple[int, ...]  # indices among the node's GPUs
+
+
+def resident_plan(trainers: int, tp: int, nodes: int, gpus_per_node: int, colocate: bool) -> list[Slot]:
+    """The resident job's tasks (trainers 0..W-1, then the generator) on `nodes` nodes of
+    `gpus_per_node` GPUs each; PlacementError if they do not fit."""
+    per_node = (trainers + 1) // nodes
+    used = [0] * nodes
+    slots = []
+    for task in range(trainers + 1):
+        node = task // per_node
+        if task < trainers:
+            role, first, need = f"trainer {task}", used[node], 1
+        elif colocate:
+            role, first, need = "generator", 0, tp
+        else:
+            role, first, need = "generator", used[node], tp
+        if first + need > gpus_per_node:
+            raise PlacementError(_does_not_fit(node, slots, role, need, gpus_per_node, colocate))
+        slots.append(Slot(task, role, node, tuple(range(first, first + need))))
+        used[node] = max(used[node], first + need)
+    return slots
+
+
+def _does_not_fit(node: int, slots: list[Slot], role: str, need: int, gpus: int, colocate: bool) -> str:
+    held = sum(len(s.gpus) for s in slots if s.node == node)
+    what = f"{held} GPU(s) for the trainers placed there and {need} for the {role}"
+    if role == "generator" and colocate:
+        what = f"{need} GPU(s) for the generator (generate.tensor_parallel_size)"
+    return (f"executor.resident.gpus_per_node: node {node} of the resident job needs {what}, but has "
+            f"{gpus}; expected more GPUs per node, more nodes, or executor.resident.colocate = true")
+
+
+def plan(exp: Experiment) -> list[Slot] | None:
+    """The resident job's placement on a Slurm cluster with GPUs; None where there is none to make
+    (CPU, the local executor, the staged mode, whose jobs each use all of their GPUs)."""
+    ex = exp.executor
+    if ex.kind != "slurm" or ex.mode != "resident" or not ex.resident.gpus_per_node:
+        return None
+    r = ex.resident
+    return resident_plan(exp.update.world_size, exp.generate.tensor_parallel_size, r.nodes, r.gpus_per_node,
+                         r.colocate)
+
+
+def staged_plans(exp: Experiment) -> dict[str, list[Slot]]:
+    """The GPUs of each staged job's tasks on a Slurm cluster: the update's ranks one each (a rank
+    selects its GPU by its local rank), vLLM its tensor-parallel group; PlacementError where a job
+    has too few."""
+    ex, plans = exp.executor, {}
+    if ex.kind != "slurm" or ex.mode != "staged":
+        return plans
+    u, g = ex.update, ex.generate
+    if u.gpus_per_node:
+        per_node = exp.update.world_size // u.nodes
+        if per_node > u.gpus_per_node:
+            raise PlacementError(f"executor.update.gpus_per_node: {per_node} update ranks per node (update."
+                                 f"world_size = {exp.update.world_size} over {u.nodes} nodes) need one GPU "
+                                 f"each, but a node has {u.gpus_per_node}")
+        plans[UPDATE] = [Slot(r, f"trainer {r}", r // per_node, (r % per_node,))
+                           for r in range(exp.update.world_size)]
+    if g.gpus_per_node:
+        tp = exp.generate.tensor_parallel_size
+        if tp > g.gpus_per_node * g.nodes:
+            raise PlacementError(f"executor.generate.gpus_per_node: generate.tensor_parallel_size = {tp} "
+                                 f"needs {tp} GPUs, but the generate job has {g.gpus_per_node * g.nodes}")
+        plans[GENERATE] = [Slot(0, f"vLLM (TP {tp})", 0, tuple(range(tp)))]
+    return plans
+
+
+def bind(exp: Experiment, task: int) -> Slot | None:
+    """Narrow this task's CUDA_VISIBLE_DEVICES to its slot's GPUs (before CUDA is initialised),
+    set LOCAL_RANK to 0 (its first GPU), and make vLLM spawn its workers; the slot, if any."""
+    slots = plan(exp)
+    if slots is None:
+        return None
+    slot = slots[task]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(exp.executor.resident.gpus_per_node)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in slot.gpus)
+    os.environ["LOCAL_RANK"] = "0"
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # workers of a process that saw CUDA
+    return slot
+
+
+def describe(exp: Experiment) -> str | None:
+    """The placement of every job with GPUs, as a table for a person; None without GPUs."""
+    slots = plan(exp)
+    jobs = {"resident": slots} if slots is not None else staged_plans(exp)
+    if not jobs:
+        return None
+    lines = [f"{'job':<9} {'task':>5}  {'role':<13} {'node':>4}  GPUs (of the node's)"]
+    lines += [f"{job:<9} {s.task:>5}  {s.role:<13} {s.node:>4}  {','.join(map(str, s.gpus))}"
+              for job, job_slots in jobs.items() for s in job_slots]
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""GPU placement (hpcrl.placement), on CPU: every task of a resident job gets its own GPUs, each
+task narrows CUDA_VISIBLE_DEVICES to them before CUDA starts, and impossible layouts are refused
+at submit. GPU-path defects of issue #17 pinned here: (1) the generator task took no GPUs of its
+own, so vLLM started on cuda:0..TP-1, a trainer's; (3) the trainers' default group was NCCL only,
+which refuses the CPU tensors the update all-reduces; (4) vLLM forked its workers after CUDA was
+initialised."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+from hpcrl import config, distributed, placement
+
+
+def test_trainers_and_generator_get_disjoint_gpus_on_each_node():
+    slots = placement.resident_plan(trainers=3, tp=2, nodes=1, gpus_per_node=8, colocate=False)
+    assert [(s.role, s.node, s.gpus) for s in slots] == [
+        ("trainer 0", 0, (0,)), ("trainer 1", 0, (1,)), ("trainer 2", 0, (2,)), ("generator", 0, (3, 4))]
+    two = placement.resident_plan(trainers=3, tp=2, nodes=2, gpus_per_node=3, colocate=False)
+    assert [(s.node, s.gpus) for s in two] == [(0, (0,)), (0, (1,)), (1, (0,)), (1, (1, 2))]
+
+
+def test_a_layout_that_does_not_fit_is_refused_naming_the_key():
+    with pytest.raises(placement.PlacementError, match=r"executor\.resident\.gpus_per_node: node 0 of the "
+                       r"resident job needs 1 GPU\(s\) for the trainers placed there and 1 for the "
+                       r"generator, but has 1"):
+        placement.resident_plan(trainers=1, tp=1, nodes=1, gpus_per_node=1, colocate=False)
+    shared = placement.resident_plan(trainers=1, tp=1, nodes=1, gpus_per_node=1, colocate=True)
+    assert [s.gpus for s in shared] == [(0,), (0,)]  # colocated: the generator on the trainer's GPU
+
+
+def _resident(write_experiment, **resident):
+    return config.load(write_experiment("gpus", update={"world_size": 3},
+                                        generate={"tensor_parallel_size": 2},
+                                        executor={"kind": "slurm", "mode": "resident",
+                                                  "resident": {"gpus_per_node": 8, **resident}}))
+
+
+@pytest.mark.parametrize("task, visible", [(0, "4"), (2, "6"), (3, "7,8")])
+def test_each_task_binds_to_its_own_gpus(write_experiment, monkeypatch, task, visible):
+    exp = _resident(write_experiment)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7,8,9,10,11")  # what Slurm gave the node's tasks
+    monkeypatch.setenv("LOCAL_RANK", str(task))
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    placement.bind(exp, task)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == visible and os.environ["LOCAL_RANK"] == "0"
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+
+
+def test_a_cpu_or_local_run_binds_nothing(write_experiment, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    exp = _resident(write_experiment, gpus_per_node=0)
+    assert placement.bind(exp, 0) is None and "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_the_trainers_group_maps_cpu_tensors_to_gloo_on_gpus():
+    backends = BackendConfig(Backend(distributed.default_backend(cuda=True))).get_device_backend_map()
+    assert backends == {"cpu": "gloo", "cuda": "nccl"}
+    assert distributed.default_backend(cuda=False) == "gloo"
+
+
+def test_the_7b_recipe_places_every_task_on_its_own_gpus():
+    """What `hpcrl submit --dry-run` prints for it (the recipe's 7B model is not here to submit)."""
+    recipe = Path(__file__).parents[1] / "configs" / "gsm8k-7b-4nodes.toml"
+    exp = config.load(recipe)
+    out = placement.describe(exp)
+    rows = [line.split() for line in out.splitlines()[1:]]
+    update = [(int(r[4]), r[5]) for r in rows if r[0] == "update"]
+    assert len(update) == 32 and len(set(update)) == 32  # (node, GPU): every rank its own
+    assert [r[-1] for r in rows if r[0] == "generate"] == ["0,1,2,3"]
+    bad = config.with_overrides(exp, {"executor.update.gpus_per_node": 4}, "test")
+    with pytest.raises(placement.PlacementError, match="8 update ranks per node"):
+        placement.describe(bad)
