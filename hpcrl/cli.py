@@ -74,18 +74,24 @@ def _prepare(experiment: Path, sets: tuple[str, ...] = ()):
 @click.option("--dry-run", is_flag=True,
               help="Check everything and write the resolved config and every sbatch script under "
                    "<runs_root>/dry-runs/<name>/; nothing is created or changed in the run.")
+@click.option("--check-cluster", is_flag=True,
+              help="With --dry-run: ask Slurm whether it would accept each kind of job "
+                   "(`sbatch --test-only` on one script per role).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Override a config key, e.g. update.lr=1e-5 or run.name=lr-sweep-2 (a TOML value; "
                    "one that is not TOML is taken as a string); repeatable. The run's frozen config "
                    "records the result.")
-def submit(experiment: Path, foreground: bool, dry_run: bool, sets: tuple[str, ...]) -> None:
+def submit(experiment: Path, foreground: bool, dry_run: bool, check_cluster: bool,
+           sets: tuple[str, ...]) -> None:
     """Validate EXPERIMENT (a TOML file) and run it; resubmitting continues the same run.
 
     With the local executor the run is driven in this terminal. With the Slurm executor the
     controller is submitted as a small Slurm job and this command returns (--foreground keeps it here).
     """
+    if check_cluster and not dry_run:
+        _fail("--check-cluster goes with --dry-run")
     if dry_run:
-        _dry_run(experiment, sets)
+        _dry_run(experiment, sets, check_cluster)
         return
     exp, run, resumed = _prepare(experiment, sets)
     if resumed:
@@ -110,7 +116,7 @@ def submit(experiment: Path, foreground: bool, dry_run: bool, sets: tuple[str, .
     _drive(run, exp)
 
 
-def _dry_run(experiment: Path, sets: tuple[str, ...]) -> None:
+def _dry_run(experiment: Path, sets: tuple[str, ...], check_cluster: bool = False) -> None:
     from hpcrl import runs, sbatch
 
     exp = _validated(experiment, sets)
@@ -134,6 +140,14 @@ def _dry_run(experiment: Path, sets: tuple[str, ...]) -> None:
     click.echo(f"dry run: config, model, tokenizer, data, rewards and batch shape checked; wrote the "
                f"resolved config and {len(paths) - 1} sbatch scripts under {out} ({state}; "
                "nothing submitted)")
+    if check_cluster:
+        refused = 0
+        for path, ok, answer in sbatch.test_only(paths[1:]):
+            refused += not ok
+            click.echo(f"sbatch --test-only {path.name}: {'accepted' if ok else 'REFUSED'}: {answer}")
+        if refused:
+            _fail(f"Slurm would refuse {refused} of the run's kinds of job (above); fix their [executor] "
+                  "sections")
 
 
 @main.command("sbatch")

@@ -66,11 +66,16 @@ class Experiment(Section):
             raise Rule("reward.overlong_buffer",
                        f"expected at most generate.max_tokens = {self.generate.max_tokens}, "
                        f"got {self.reward.overlong_buffer}")
-        ex = self.executor
-        if ex.mode == "resident" and ex.kind == "slurm" and (self.update.world_size + 1) % ex.resident.nodes:
-            raise Rule("executor.resident.nodes", f"the resident job's {self.update.world_size + 1} tasks "
-                       f"(update.world_size = {self.update.world_size} trainers + 1 generator) must spread "
-                       f"evenly over {ex.resident.nodes} nodes")
+        ex, w = self.executor, self.update.world_size
+        if ex.mode != "resident" or ex.kind != "slurm":
+            return self
+        if ex.resident.generator is not None and w % ex.resident.nodes:
+            raise Rule("executor.resident.nodes", f"update.world_size = {w} trainer tasks must spread evenly "
+                       f"over {ex.resident.nodes} nodes (the generator has a node of its own)")
+        if ex.resident.generator is None and (w + 1) % ex.resident.nodes:
+            raise Rule("executor.resident.nodes", f"the resident job's {w + 1} tasks (update.world_size = "
+                       f"{w} trainers + 1 generator) must spread evenly over {ex.resident.nodes} nodes; or "
+                       "give the generator a node of its own ([executor.resident.generator])")
         return self
 
 

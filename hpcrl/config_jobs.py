@@ -82,6 +82,31 @@ class SlurmResources(Section):
         return v
 
 
+class NotifyConfig(Section):
+    mail: str = Field("", description="Slurm mails this address when the controller job or the resident job "
+                      "ends or fails (--mail-type=END,FAIL; the cluster must have mail set up).")
+    webhook: str = Field("", description="POST {\"run\", \"status\": \"completed\" | \"stopped\", "
+                         "\"reason\"} here when the run completes or stops (a failure, an alert rule, an "
+                         "interruption); empty: none. Never stops the run.")
+
+    @field_validator("mail")
+    @classmethod
+    def _plain(cls, v: str) -> str:
+        if not SBATCH_VALUE.fullmatch(v):
+            raise ValueError(f"{v!r} is not a plain mail address (letters, digits, _.,:=@%/+-)")
+        return v
+
+
+class GeneratorNode(Section):
+    partition: str = Field("", description="The generator's partition (empty: executor.resident.partition).")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs of the generator's node (at least "
+                               "generate.tensor_parallel_size).")
+    cpus_per_task: int = Field(8, ge=1, description="CPUs of the generator task.")
+    mem_gb: float = Field(0, ge=0, description="Memory of the generator's node in GB (0: the partition's "
+                          "default).")
+    constraint: str = Field("", description="Node features of the generator's node (--constraint).")
+
+
 class ResidentConfig(SlurmResources):
     time_min: int = Field(1440, ge=1, description="Time limit in minutes; the job is signalled before it and "
                           "requeued.")
@@ -106,10 +131,17 @@ class ResidentConfig(SlurmResources):
                            "and the job stops.")
     collective_timeout_s: float = Field(1800, gt=0, description="Timeout of every wait between tasks "
                                         "(commands, weight broadcast).")
+    generator: GeneratorNode | None = Field(
+        None, description="Set: the generator runs on a node of its own with these resources, the trainers "
+        "(update.world_size tasks) on `nodes` nodes with the keys above: one heterogeneous Slurm job "
+        "(`#SBATCH hetjob`). Unset: all update.world_size + 1 tasks spread evenly over `nodes`.")
 
     @model_validator(mode="after")
     def _shared_memory_on_one_node(self) -> ResidentConfig:
-        if self.weight_sync == "shared_memory" and self.nodes > 1:
+        if self.generator is not None and self.colocate:
+            raise Rule("colocate", "the generator has a node of its own ([executor.resident.generator]), so "
+                                   "it cannot share the trainers' GPUs; expected colocate = false")
+        if self.weight_sync == "shared_memory" and (self.nodes > 1 or self.generator is not None):
             raise Rule("weight_sync", f"\"shared_memory\" needs trainer 0 and the generator on one node, but "
                                       f"nodes = {self.nodes} puts them on different nodes; use "
                                       "\"process_group\"")
@@ -136,6 +168,7 @@ class ExecutorBase(Section):
                         "key.")
     signal_delay_s: int = Field(90, ge=10, description="Slurm: seconds before its time limit that a job is "
                                 "signalled (USR2): the update saves its progress, and the job is requeued.")
+    notify: NotifyConfig = Field(NotifyConfig(), description="Telling people that a run ended.")
     max_requeues: int = Field(3, ge=0, description="Slurm: time-limit requeues of one job before it is left "
                               "to end (submitit's max_num_timeout; the same budget for scripts submitted by "
                               "hand, counted by SLURM_RESTART_COUNT).")

@@ -112,10 +112,10 @@ class Controller:
                           "version")
             self._check_history()
             tracker = Tracker(self.run, self.exp)
-            executor = executors.make(self.run, self.exp)
-            status = "FAILED"
+            status, reason = "FAILED", ""
             self.run.record_stop(None)  # a new attempt at the run
             try:
+                executor = executors.make(self.run, self.exp)
                 self._prune()  # rules changed on resume, or a prune interrupted by a crash
                 if self.exp.executor.mode == "resident":
                     self._drive_resident(executor, tracker)
@@ -123,10 +123,22 @@ class Controller:
                     self._drive(executor, tracker)
                 status = "FINISHED"
             except KeyboardInterrupt:
-                status = "KILLED"
+                status, reason = "KILLED", "interrupted"
+                raise
+            except Exception as err:
+                reason = (self.run.read_run_info().get("stopped") or {}).get("reason") or \
+                    f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
                 raise
             finally:
                 tracker.finish(status)
+                self._notify("completed" if status == "FINISHED" else "stopped", reason)
+
+    def _notify(self, status: str, reason: str) -> None:
+        """[executor.notify] webhook: the run completed or stopped (never fatal)."""
+        url = self.exp.executor.notify.webhook
+        if url and (error := alerts.post(url, {"run": self.run.root.name, "status": status, "reason": reason},
+                                         self.exp.alerts.webhook_timeout_s)):
+            self.echo(f"notify webhook {url}: not delivered ({error})")
 
     def _check_history(self) -> None:
         """Before a run continues: every committed output was computed from the outputs committed
@@ -191,11 +203,15 @@ class Controller:
         records = [r for r in self.run.jobs() if r["role"] == "resident"]
         live = adoption.live_resident(records, adoption.states_of(records)) \
             if records and hasattr(executor, "adopt") else None
+        from hpcrl import sbatch
+
+        script = executors.generator_node(self.exp, "resident") is not None  # heterogeneous: not submitit's
         if live is not None:
             self.echo(f"resident job {live['job_id']} of an earlier controller is still queued or running; "
                       "following it (not submitted again)")
-            return executor.adopt(live["job_id"], "resident", None)
-        job = executor.submit("resident", None)
+            return (sbatch.follow(self.run, self.exp, "resident", live["job_id"]) if script
+                    else executor.adopt(live["job_id"], "resident", None))
+        job = sbatch.submit(self.run, self.exp, "resident") if script else executor.submit("resident", None)
         self.run.record_job(job.job_id, "resident", None)
         return job
 

@@ -54,4 +54,31 @@ def report() -> tuple[list[str], list[str]]:
         lines.append(f"  {c:<13} {shutil.which(c) or 'not found'}")
     if missing:
         lines.append(f"  (Slurm commands missing: {', '.join(missing)}; executor.kind = 'local' still works)")
+    else:
+        lines += cluster_lines()
     return lines, problems
+
+
+def _ask(command: list[str]) -> list[str]:
+    """The lines a Slurm query prints ([] when it fails: no controller reachable, no accounting)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return out.stdout.splitlines() if out.returncode == 0 else []
+
+
+def cluster_lines() -> list[str]:
+    """The partitions (state, nodes, GPUs, time limit) and the accounts and QOS this user can use."""
+    import getpass
+
+    lines = ["  partitions (name, state, nodes, generic resources, time limit):"]
+    parts = _ask(["sinfo", "-h", "-o", "%P|%a|%D|%G|%l"])
+    lines += [f"    {' '.join(p.split('|'))}" for p in parts] or ["    (sinfo answered nothing)"]
+    assoc = sorted({tuple(a.split("|")) for a in _ask(["sacctmgr", "-n", "-P", "show", "assoc",
+                                                         f"user={getpass.getuser()}", "format=account,qos"])})
+    lines.append("  accounts and QOS of this user: " + (", ".join(f"{a} ({q or '-'})" for a, q in assoc)
+                                                      or "(none visible: no accounting, or not allowed)"))
+    return lines

@@ -36,18 +36,24 @@ class StageCall(submitit.helpers.Checkpointable):
         run_stage_module(self.module, self.run_dir, self.iteration)
 
 
-def slurm_parameters(exp: Experiment, role: str, run_name: str) -> dict:
-    """sbatch parameters of a role (controller, generate, score, update), in submitit's names.
+def slurm_parameters(exp: Experiment, role: str, run_name: str, iteration: int | None = None) -> dict:
+    """sbatch parameters of a role (controller, generate, score, update, resident), in submitit's
+    names; the job's name leads with the role and iteration (what `squeue` shows first).
 
     The one source of a job's resources: the Slurm executor and `hpcrl sbatch` both use it.
     """
     r = getattr(exp.executor, role)
+    name = f"{role}-{iteration}-{run_name}" if iteration is not None else f"{role}-{run_name}"
     tasks = tasks_for(exp, role) // r.nodes if role != "controller" else 1
-    params: dict = {"job_name": f"hpcrl-{run_name}-{role}", "nodes": r.nodes, "ntasks_per_node": tasks,
+    if generator_node(exp, role) is not None:  # the first component of a heterogeneous job: the trainers
+        tasks = exp.update.world_size // r.nodes
+    params: dict = {"job_name": name, "nodes": r.nodes, "ntasks_per_node": tasks,
                     "cpus_per_task": r.cpus_per_task, "time": r.time_min,
                     "additional_parameters": {"requeue": True, **r.extra}}
     if role in ("controller", "resident"):  # one at a time per run (the job name holds the run's)
         params["dependency"] = "singleton"
+        if exp.executor.notify.mail:
+            params["additional_parameters"].update(mail_type="END,FAIL", mail_user=exp.executor.notify.mail)
     if r.gpus_per_node:
         params["gpus_per_node"] = r.gpus_per_node
     if r.mem_gb:
@@ -58,13 +64,34 @@ def slurm_parameters(exp: Experiment, role: str, run_name: str) -> dict:
     return params
 
 
+def generator_node(exp: Experiment, role: str):
+    """The resident generator's own node ([executor.resident.generator]), if it has one."""
+    ex = exp.executor
+    if role != "resident" or ex.mode != "resident" or ex.kind != "slurm":
+        return None
+    return ex.resident.generator
+
+
+def generator_component(exp: Experiment) -> dict:
+    """sbatch parameters (submitit's names) of a heterogeneous resident job's second component."""
+    g, r = exp.executor.resident.generator, exp.executor.resident
+    params: dict = {"nodes": 1, "ntasks_per_node": 1, "cpus_per_task": g.cpus_per_task}
+    if g.partition or r.partition:
+        params["partition"] = g.partition or r.partition
+    if g.gpus_per_node:
+        params["gpus_per_node"] = g.gpus_per_node
+    if g.mem_gb:
+        params["mem"] = f"{int(g.mem_gb * 1024)}M"
+    if g.constraint:
+        params["constraint"] = g.constraint
+    return params
+
+
 def submitit_executor(run: RunDir, exp: Experiment, role: str, iteration: int | None = None,
                       after: str | None = None) -> submitit.SlurmExecutor:
     """submitit's executor for one job of `role`: the resources, the job environment
     (hpcrl.job_env), the signal and the requeue budget; after job `after` succeeds, if given."""
-    params = slurm_parameters(exp, role, run.root.name)
-    if iteration is not None:
-        params["job_name"] += f"-{iteration}"
+    params = slurm_parameters(exp, role, run.root.name, iteration)
     if after is not None:  # and if that job fails, this one leaves the queue at once
         params["dependency"] = f"afterok:{after}"
         params["additional_parameters"]["kill_on_invalid_dep"] = "yes"

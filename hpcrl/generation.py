@@ -54,6 +54,8 @@ def configure_env(exp: Experiment, scratch: Path | None = None) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if not on_gpu():
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    else:  # this process has initialised CUDA (on_gpu): tensor-parallel workers must not fork from it
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 
 def make_engine(exp: Experiment, model_path: Path, seed: int, worker_extension_cls: str | None = None):

@@ -44,6 +44,8 @@ def job_environment(exp: Experiment, role: str, tasks: int) -> JobEnvironment:
     c = env.container
     python = env.python or ("python" if c.image else shlex.quote(sys.executable))
     srun = list(MULTI_TASK_SRUN if tasks > 1 else ()) + list(env.srun_args)
+    if role == "resident" and exp.executor.resident.generator is not None:
+        srun.insert(0, "--het-group=0,1")  # one step over both components: trainers, then the generator
     if c.image and c.runtime == "pyxis":
         srun.append(f"--container-image={c.image}")
         if c.mounts:

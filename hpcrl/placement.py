@@ -60,15 +60,34 @@ def _does_not_fit(node: int, slots: list[Slot], role: str, need: int, gpus: int,
             f"{gpus}; expected more GPUs per node, more nodes, or executor.resident.colocate = true")
 
 
+def heterogeneous_plan(trainers: int, tp: int, nodes: int, gpus_per_node: int,
+                       generator_gpus: int) -> list[Slot]:
+    """The trainers on `nodes` nodes, one GPU each; the generator on a node of its own (node
+    `nodes`, a second job component) with `generator_gpus` GPUs."""
+    per_node = trainers // nodes
+    if per_node > gpus_per_node:
+        raise PlacementError(f"executor.resident.gpus_per_node: {per_node} trainers per node (update."
+                             f"world_size = {trainers} over {nodes} nodes) need one GPU each, but a node has "
+                             f"{gpus_per_node}")
+    if tp > generator_gpus:
+        raise PlacementError(f"executor.resident.generator.gpus_per_node: generate.tensor_parallel_size = "
+                             f"{tp} needs {tp} GPUs, but the generator's node has {generator_gpus}")
+    slots = [Slot(t, f"trainer {t}", t // per_node, (t % per_node,)) for t in range(trainers)]
+    return [*slots, Slot(trainers, "generator", nodes, tuple(range(tp)))]
+
+
 def plan(exp: Experiment) -> list[Slot] | None:
     """The resident job's placement on a Slurm cluster with GPUs; None where there is none to make
     (CPU, the local executor, the staged mode, whose jobs each use all of their GPUs)."""
     ex = exp.executor
-    if ex.kind != "slurm" or ex.mode != "resident" or not ex.resident.gpus_per_node:
+    if ex.kind != "slurm" or ex.mode != "resident":
         return None
-    r = ex.resident
-    return resident_plan(exp.update.world_size, exp.generate.tensor_parallel_size, r.nodes, r.gpus_per_node,
-                         r.colocate)
+    r, g, w, tp = ex.resident, ex.resident.generator, exp.update.world_size, exp.generate.tensor_parallel_size
+    if g is not None and (r.gpus_per_node or g.gpus_per_node):
+        return heterogeneous_plan(w, tp, r.nodes, r.gpus_per_node, g.gpus_per_node)
+    if g is None and r.gpus_per_node:
+        return resident_plan(w, tp, r.nodes, r.gpus_per_node, r.colocate)
+    return None
 
 
 def staged_plans(exp: Experiment) -> dict[str, list[Slot]]:
@@ -104,7 +123,7 @@ def bind(exp: Experiment, task: int) -> Slot | None:
         return None
     slot = slots[task]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(exp.executor.resident.gpus_per_node)]
+    ids = visible.split(",") if visible else [str(i) for i in range(max(slot.gpus) + 1)]
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in slot.gpus)
     os.environ["LOCAL_RANK"] = "0"
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # workers of a process that saw CUDA

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import shlex
 import shutil
+import subprocess
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import jinja2
 
@@ -22,7 +25,7 @@ TEMPLATES = Path(__file__).resolve().parents[1] / "sbatch"
 FLAG_NAMES = {"time": "time", "mem": "mem"}
 
 
-def directives(params: dict, log_dir: Path) -> list[str]:
+def directives(params: dict, log_dir: Path | None) -> list[str]:
     """#SBATCH lines (without the prefix) for submitit-style parameters."""
     flat = {k: v for k, v in params.items() if k != "additional_parameters"}
     flat.update(params.get("additional_parameters", {}))
@@ -39,7 +42,7 @@ def directives(params: dict, log_dir: Path) -> list[str]:
             raise ConfigError(f"executor: sbatch option {flag} has the value {text!r}; expected only "
                               "letters, digits and _.,:=@%/+-[] (no spaces, quotes or shell characters)")
         lines.append(f"{flag}={text}")
-    if SBATCH_VALUE.fullmatch(str(log_dir)):  # else Slurm's default, slurm-<id>.out where sbatch was run
+    if log_dir is not None and SBATCH_VALUE.fullmatch(str(log_dir)):  # else slurm-<id>.out where sbatch ran
         lines.append(f"--output={log_dir}/%x-%j.out")
     return lines
 
@@ -52,13 +55,14 @@ def _env() -> jinja2.Environment:
 def render(run: RunDir, exp: Experiment, role: str, iteration: int | None = None) -> str:
     """The script of the controller, of the resident job (role "resident") or of one stage of one
     iteration."""
-    params = executors.slurm_parameters(exp, role, run.root.name)
-    if iteration is not None:
-        params["job_name"] += f"-{iteration}"
+    params = executors.slurm_parameters(exp, role, run.root.name, iteration)
     # what submitit adds to every job it submits: the pre-timeout signal and appending logs
     params["additional_parameters"].update(signal=f"USR2@{exp.executor.signal_delay_s}", open_mode="append")
     env = job_env.job_environment(exp, role, executors.tasks_for(exp, role) if role != "controller" else 1)
-    ctx = {"directives": directives(params, run.logs), "python": env.python, "setup": env.setup,
+    lines = directives(params, run.logs)
+    if executors.generator_node(exp, role) is not None:  # a heterogeneous job: the generator's node
+        lines += ["hetjob", *directives(executors.generator_component(exp), None)]
+    ctx = {"directives": lines, "python": env.python, "setup": env.setup,
            "srun_args": "".join(shlex.quote(a) + " " for a in env.srun_args),
            "run_dir": repr(str(run.root)), "run_dir_q": shlex.quote(str(run.root))}
     if role in ("controller", "resident"):
@@ -84,3 +88,72 @@ def write_all(run: RunDir, exp: Experiment, out: Path) -> list[Path]:
         paths.append(out / "sbatch" / name)
         paths[-1].write_text(text)
     return paths
+
+
+def test_only(paths: list[Path]) -> list[tuple[Path, bool, str]]:
+    """`sbatch --test-only` on one script per kind of job (the first of each role): (script,
+    accepted, Slurm's answer)."""
+    seen, out = set(), []
+    for path in paths:
+        role = path.stem.split("-")[-1]  # controller, resident, iter_000000-<stage>
+        if role in seen:
+            continue
+        seen.add(role)
+        answer = subprocess.run(["sbatch", "--test-only", str(path)], capture_output=True, text=True,
+                                timeout=60)
+        text = (answer.stderr or answer.stdout).strip().splitlines()
+        out.append((path, answer.returncode == 0, text[-1] if text else f"exit {answer.returncode}"))
+    return out
+
+
+def submit(run: RunDir, exp: Experiment, role: str) -> executors.StageJob:
+    """A job as `render` writes it, submitted with sbatch: for what submitit cannot submit (a
+    heterogeneous resident job). Its output: logs/<job name>-<job id>.out."""
+    path = run.logs / f"{role}-{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
+    path.write_text(render(run, exp, role))
+    out = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, timeout=60,
+                         cwd=run.logs)
+    if out.returncode:
+        raise RuntimeError(f"sbatch {path} failed: {out.stderr.strip()}")
+    return follow(run, exp, role, out.stdout.strip().split(";")[0])
+
+
+def follow(run: RunDir, exp: Experiment, role: str, job_id: str) -> executors.StageJob:
+    """A job `submit` submitted (now or by an earlier controller), as the controller follows jobs."""
+    name = executors.slurm_parameters(exp, role, run.root.name)["job_name"]
+    return executors.StageJob(ScriptJob(job_id, run.logs / f"{name}-{job_id}.out"), role, None)
+
+
+class ScriptJob:
+    """A job submitted as a script with sbatch (a heterogeneous resident job), followed through
+    sacct (asked at most every `poll_s`): what StageJob needs of a submitit job."""
+
+    num_tasks = 1  # one log file holds every task's output
+
+    def __init__(self, job_id: str, log: Path, poll_s: float = 10):
+        self.job_id, self.paths = job_id, SimpleNamespace(stdout=log, stderr=log)
+        self.poll_s, self._asked, self._info = poll_s, -float("inf"), {}
+
+    def get_info(self, mode: str = "") -> dict:
+        """sacct's line of the job (asked again when `mode` is "force" or the last answer is old)."""
+        from hpcrl import slurm
+
+        if mode == "force" or time.monotonic() - self._asked > self.poll_s:
+            self._info = slurm.accounting([self.job_id]).get(self.job_id, {})
+            self._asked = time.monotonic()
+        return self._info
+
+    def _state(self) -> str:
+        return (self.get_info().get("State") or "PENDING").split(" ")[0]
+
+    def done(self) -> bool:
+        from hpcrl.adoption import LIVE
+
+        return self._state() not in LIVE
+
+    def exception(self) -> BaseException | None:
+        state = self._state()
+        return None if state == "COMPLETED" else RuntimeError(f"job {self.job_id} ended {state}")
+
+    def cancel(self, check: bool = False) -> None:
+        subprocess.run(["scancel", self.job_id], check=check, timeout=60)

@@ -26,6 +26,9 @@ def accounting(job_ids: list[str]) -> dict[str, dict[str, str]]:
     for line in out.stdout.splitlines():
         values = dict(zip(FIELDS, line.split("|"), strict=False))
         rows[values["JobID"]] = values
+        leader, plus, _ = values["JobID"].partition("+")  # a heterogeneous job's component: "<id>+<n>"
+        if plus and leader not in rows:
+            rows[leader] = values  # the job itself: its first component
     return rows
 
 

@@ -160,3 +160,26 @@ def test_the_controller_reports_warns_and_stops_and_status_says_why(tmp_path, we
 def test_an_unreachable_webhook_is_reported_and_does_not_stop_the_run():
     error = alerts.post("http://127.0.0.1:9/nowhere", {"rule": "kl_max"}, timeout_s=2)
     assert error is not None and ("Connection refused" in error or "URLError" in error)
+
+
+def test_the_run_s_end_is_posted_to_the_notify_webhook(tmp_path, webhook, monkeypatch, tiny_task):
+    """[executor.notify] webhook: once when a run completes, once with the reason when it stops."""
+    from hpcrl import config, executors
+    from tests.synthetic_run import make_run
+
+    url, received = webhook
+    run = make_run(tmp_path / "notified", iterations=1, rows=16, policy_from=tiny_task / "model")
+    exp = config.with_overrides(config.load(run.config_path), {"executor.notify.webhook": url,
+                                                               "tracking.enabled": False}, "test")
+    Controller(run, exp, echo=lambda line: None, show_progress=False).run_all()  # nothing left to run
+    assert received == [{"run": "notified", "status": "completed", "reason": ""}]
+
+    def refuse(run, exp):
+        raise FloatingPointError("the update of iteration 0 produced a non-finite gradient norm")
+
+    monkeypatch.setattr(executors, "make", refuse)
+    with pytest.raises(FloatingPointError):
+        Controller(run, exp, echo=lambda line: None, show_progress=False).run_all()
+    assert received[1] == {"run": "notified", "status": "stopped",
+                           "reason": "FloatingPointError: the update of iteration 0 produced a non-finite "
+                                     "gradient norm"}

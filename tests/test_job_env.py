@@ -125,3 +125,13 @@ def test_hand_rendered_and_submitted_scripts_agree(write_experiment, role):
     for arg in env.srun_args:
         assert shlex.quote(arg) in srun_submitted.split() and shlex.quote(arg) in srun_by_hand.split()
     assert f" {env.python} -u -m submitit" in srun_submitted and f" {env.python} -m " in srun_by_hand
+
+
+def test_notify_mail_reaches_the_controller_and_resident_jobs(write_experiment):
+    exp = config.load(write_experiment("mail", executor={"kind": "slurm", "mode": "resident",
+                                                         "notify": {"mail": "me@example.org"}}))
+    for role in ("controller", "resident"):
+        extra = executors.slurm_parameters(exp, role, "mail")["additional_parameters"]
+        assert (extra["mail_type"], extra["mail_user"]) == ("END,FAIL", "me@example.org")
+    assert "mail_type" not in executors.slurm_parameters(exp, "generate", "mail")["additional_parameters"]
+    assert executors.slurm_parameters(exp, "update", "mail", 3)["job_name"] == "update-3-mail"

@@ -75,3 +75,40 @@ def test_the_7b_recipe_places_every_task_on_its_own_gpus():
     bad = config.with_overrides(exp, {"executor.update.gpus_per_node": 4}, "test")
     with pytest.raises(placement.PlacementError, match="8 update ranks per node"):
         placement.describe(bad)
+
+
+def test_vllm_spawns_its_workers_on_gpus(write_experiment, monkeypatch, tmp_path):
+    """Defect (4): the generator asks torch whether CUDA is there before vLLM starts its
+    tensor-parallel workers, which then must not be forked from it."""
+    from hpcrl import generation
+
+    exp = config.load(write_experiment("spawn"))
+    # configure_env sets vLLM's variables for the process: a copy keeps them from later tests
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")})
+    monkeypatch.setattr(generation, "on_gpu", lambda: True)
+    generation.configure_env(exp, tmp_path / "scratch")
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+
+
+def test_the_7b_resident_layout_renders_as_one_heterogeneous_job(write_experiment):
+    """4 nodes x 8 trainers and a node with 4 GPUs for a TP-4 generator: two job components."""
+    from hpcrl import sbatch
+    from hpcrl.rundir import RunDir
+
+    exp = config.load(write_experiment("7b", update={"world_size": 32, "mini_batches": 1},
+                                       generate={"tensor_parallel_size": 4},
+                                       executor={"kind": "slurm", "mode": "resident", "resident": {
+                                           "nodes": 4, "gpus_per_node": 8, "partition": "train",
+                                           "generator": {"gpus_per_node": 4, "partition": "infer"}}}))
+    script = sbatch.render(RunDir.at(Path(exp.run.runs_root) / "7b"), exp, "resident")
+    trainers, generator = script.split("#SBATCH hetjob\n")
+    for line in ("--nodes=4", "--ntasks-per-node=8", "--gpus-per-node=8", "--partition=train"):
+        assert f"#SBATCH {line}\n" in trainers
+    for line in ("--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=4", "--partition=infer"):
+        assert f"#SBATCH {line}\n" in generator
+    assert "srun --het-group=0,1 --kill-on-bad-exit=1" in generator
+    slots = placement.plan(exp)
+    assert len({(s.node, s.gpus) for s in slots[:32]}) == 32 and {s.node for s in slots[:32]} == {0, 1, 2, 3}
+    assert (slots[32].role, slots[32].node, slots[32].gpus) == ("generator", 4, (0, 1, 2, 3))
+    with pytest.raises(config.ConfigError, match=r"colocate.*a node of its own"):
+        config.with_overrides(exp, {"executor.resident.colocate": True}, "test")

@@ -136,3 +136,35 @@ def test_submitit_sees_external_scancel(tmp_path):
     # result file that a slow shared filesystem might still deliver: none will come here.
     job._results_timeout_s = 1
     assert isinstance(job.exception(), submitit.core.utils.UncompletedJobError)
+
+
+def test_a_dry_run_asks_slurm_whether_it_would_take_each_kind_of_job(write_experiment):
+    """`hpcrl submit --dry-run --check-cluster`: `sbatch --test-only` on one script per role."""
+    import sys
+
+    slurm = {"kind": "slurm", "generate": {"partition": "gpu"}, "score": {"partition": "cpu"},
+             "update": {"partition": "debug"}}
+    good = write_experiment("fits", executor=slurm)
+    def dry_run(path):
+        return subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", "--dry-run", "--check-cluster",
+                               str(path)], capture_output=True, text=True, timeout=300)
+
+    out = dry_run(good)
+    assert out.returncode == 0, out.stdout + out.stderr
+    verdicts = [line for line in out.stdout.splitlines() if line.startswith("sbatch --test-only")]
+    assert [v.split(":")[0].split()[-1] for v in verdicts] == [
+        "controller.sbatch", "iter_000000-generate.sbatch", "iter_000000-score.sbatch",
+        "iter_000000-update.sbatch"]
+    assert all(": accepted: " in v for v in verdicts)
+    bad = write_experiment("toomany", executor={**slurm, "update": {"partition": "debug", "nodes": 4}},
+                           update={"world_size": 4})  # 4 nodes of a 2-node cluster
+    out = dry_run(bad)
+    assert out.returncode == 2 and "iter_000000-update.sbatch: REFUSED" in out.stdout, out.stdout + out.stderr
+    assert "Slurm would refuse 1 of the run's kinds of job" in out.stderr
+
+
+def test_doctor_lists_the_partitions_accounts_and_qos_it_can_see():
+    from hpcrl import doctor
+
+    lines = "\n".join(doctor.cluster_lines())
+    assert "debug* up 2 gpu:2" in lines and "cpu up 2" in lines and "(normal)" in lines

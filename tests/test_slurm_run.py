@@ -106,7 +106,7 @@ def test_run_on_slurm_through_a_controller_job_matches_local(runs_root, tiny_tas
         assert row["State"] == "COMPLETED"
         assert row["Partition"] == SLURM[j["role"]]["partition"]
         assert int(row["AllocCPUS"]) == SLURM[j["role"]]["cpus_per_task"]
-        assert row["JobName"] == f"hpcrl-slurm-{j['role']}-{j['iteration']}"
+        assert row["JobName"] == f"{j['role']}-{j['iteration']}-slurm"
     status = subprocess.run([sys.executable, "-m", "hpcrl.cli", "status", str(run.root)], capture_output=True,
                             text=True)
     assert "Slurm jobs:" in status.stdout and "COMPLETED" in status.stdout
@@ -163,7 +163,7 @@ def test_cancelled_stage_is_reported_with_job_id_and_log(runs_root, tiny_task):
     assert f"stage generate of iteration 0 failed (job {job_id}" in out and f"logs/{job_id}/" in out
     assert not commit.is_committed(run.stage_dir(0, "generate"))
     queued = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True).stdout
-    assert "hpcrl-cancelled" not in queued  # nothing left holding or waiting for an allocation
+    assert "-cancelled" not in queued  # nothing left holding or waiting for an allocation
 
 
 def test_update_spans_two_nodes_with_two_ranks(runs_root, tiny_task):
@@ -216,9 +216,12 @@ def test_sbatch_script_submitted_by_hand_runs_the_stage_and_injects_nothing(tmp_
     assert not any(c.exists() for c in canaries)
 
 
-def test_resident_job_spans_two_nodes_trainer_on_one_generator_on_the_other(runs_root, tiny_task, local_ref):
+def test_resident_heterogeneous_job_puts_the_generator_on_a_node_of_its_own(runs_root, tiny_task, local_ref):
+    """[executor.resident.generator]: one Slurm job of two components (hetjob), the trainers on
+    one node, the generator on another, submitted as the rendered script and followed by sacct."""
     spec = {"kind": "slurm", "mode": "resident", "max_retries": 0,
-            "resident": {"partition": "debug", "nodes": 2, "cpus_per_task": 1, "time_min": 20}}
+            "resident": {"partition": "debug", "nodes": 1, "cpus_per_task": 1, "time_min": 20,
+                         "generator": {"partition": "debug", "cpus_per_task": 1}}}
     path = _write(runs_root, tiny_task, "resident", executor=spec)
     out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", "--foreground", str(path)],
                          capture_output=True, text=True, timeout=900)
@@ -226,8 +229,9 @@ def test_resident_job_spans_two_nodes_trainer_on_one_generator_on_the_other(runs
     run = RunDir.at(runs_root / "runs" / "resident")
     _same_outputs_but_policies(run, local_ref)
     [job] = [j for j in run.jobs() if j["role"] == "resident"]
-    row = _sacct([job["job_id"]])[0]
-    assert row["State"] == "COMPLETED" and row["NodeList"] in ("n[1-2]", "n1,n2"), row
+    rows = _sacct([job["job_id"]])
+    assert [r["JobID"] for r in rows] == [f"{job['job_id']}+0", f"{job['job_id']}+1"], rows
+    assert {r["State"] for r in rows} == {"COMPLETED"} and {r["NodeList"] for r in rows} == {"n1", "n2"}
     exp = config.load(path)
     nodes = {s: {commit.read_manifest(run.stage_dir(k, s))["node"] for k, st in plan.all_stages(exp)
                  if st == s}
