@@ -25,23 +25,30 @@ from hpcrl.commit import partial_dir
 PROGRESS = "progress.pt"
 
 
-class Guard:
-    """Within `with Guard():`, the preemption signal is recorded instead of acted on."""
+# USR2: Slurm's warning before the time limit (--signal); TERM: preemption (or scancel), some
+# seconds (the partition's GraceTime) before the job is killed.
+SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
-    def __init__(self, signum: int = signal.SIGUSR2):
-        self.signum, self.requested, self._previous = signum, False, None
+
+class Guard:
+    """Within `with Guard():`, the pre-timeout and preemption signals are recorded instead of
+    acted on."""
+
+    def __init__(self, signums: tuple[int, ...] = SIGNALS):
+        self.signums, self.requested, self.caught, self._previous = signums, False, None, {}
 
     def __enter__(self) -> Guard:
-        self._previous = signal.signal(self.signum, self._record)
+        self._previous = {s: signal.signal(s, self._record) for s in self.signums}
         return self
 
     def __exit__(self, *exc) -> None:
-        signal.signal(self.signum, self._previous)
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
 
     def _record(self, signum, frame) -> None:
         print(f"[update] caught signal {signal.Signals(signum).name}: saving progress at the next step",
               flush=True)
-        self.requested = True
+        self.requested, self.caught = True, self.caught or signum
 
     def should_stop(self) -> bool:
         flag = torch.tensor([float(self.requested)])
@@ -50,16 +57,18 @@ class Guard:
         return bool(flag.item())
 
     def hand_over(self) -> None:
-        """Let the signal's own handler requeue the job (task 0) and end this process. That handler
-        is submitit's, or hpcrl.requeue's in a script submitted by hand; on other tasks it returns,
-        and they exit 0: a bad exit would let srun (--kill-on-bad-exit) kill task 0 before its
-        requeue."""
+        """End this process after the progress is saved. Before a time limit (USR2, here or on
+        another rank) the signal's own handler requeues the job on task 0: submitit's, or
+        hpcrl.requeue's in a script submitted by hand; on other tasks it returns, and they exit 0 (a
+        bad exit would let srun --kill-on-bad-exit kill task 0 before its requeue). On preemption
+        (TERM) nothing is requeued here: Slurm requeues a preempted job itself (PreemptMode=REQUEUE),
+        and a cancelled one is meant to stop; either way the saved progress is there to resume."""
         if dist.is_initialized():
             dist.barrier()
-        previous = self._previous
-        signal.signal(self.signum, previous)
-        if callable(previous):
-            previous(self.signum, None)  # task 0: checkpoint, requeue and exit
+        self.__exit__()
+        previous = self._previous.get(signal.SIGUSR2)
+        if self.caught != signal.SIGTERM and callable(previous):
+            previous(signal.SIGUSR2, None)  # task 0: checkpoint, requeue and exit
         raise SystemExit(0 if int(os.environ.get("SLURM_PROCID") or 0) else -1)
 
 

@@ -14,7 +14,8 @@ from hpcrl.distributed import free_port
 WORLD = 2
 
 
-def _rank(rank: int, port: int, signalled_rank: int | None, signal_at: int, out) -> None:
+def _rank(rank: int, port: int, signalled_rank: int | None, signal_at: int, out,
+          signum: int = signal.SIGUSR2) -> None:
     import torch.distributed as dist
 
     from hpcrl.preemption import Guard
@@ -25,7 +26,7 @@ def _rank(rank: int, port: int, signalled_rank: int | None, signal_at: int, out)
         with Guard() as guard:
             for step in range(6):
                 if rank == signalled_rank and step == signal_at:
-                    os.kill(os.getpid(), signal.SIGUSR2)  # what Slurm sends before the time limit
+                    os.kill(os.getpid(), signum)  # USR2 before the time limit, TERM on preemption
                 if guard.should_stop():
                     stopped_at = step
                     break
@@ -34,10 +35,12 @@ def _rank(rank: int, port: int, signalled_rank: int | None, signal_at: int, out)
         dist.destroy_process_group()
 
 
-def _run(signalled_rank: int | None, signal_at: int = 2) -> dict[int, tuple[int | None, bool]]:
+def _run(signalled_rank: int | None, signal_at: int = 2,
+         signum: int = signal.SIGUSR2) -> dict[int, tuple[int | None, bool]]:
     ctx = mp.get_context("spawn")
     port, out = free_port(), ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, signalled_rank, signal_at, out)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_rank, args=(r, port, signalled_rank, signal_at, out, signum))
+             for r in range(WORLD)]
     for p in procs:
         p.start()
     results = [out.get(timeout=120) for _ in procs]
@@ -47,11 +50,13 @@ def _run(signalled_rank: int | None, signal_at: int = 2) -> dict[int, tuple[int 
     return {rank: (stopped_at, requested) for rank, stopped_at, requested in results}
 
 
-@pytest.mark.parametrize("signalled_rank", [0, 1])
-def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(signalled_rank):
+@pytest.mark.parametrize("signalled_rank, signum", [(0, signal.SIGUSR2), (1, signal.SIGUSR2),
+                                                    (1, signal.SIGTERM)])
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(signalled_rank, signum):
     """Pins: the ranks' agreement dropped (each rank reads only its own flag, so the signalled
-    rank saves while the other waits in the next collective) or reduced with MIN (nobody stops)."""
-    got = _run(signalled_rank, signal_at=2)
+    rank saves while the other waits in the next collective) or reduced with MIN (nobody stops);
+    preemption's TERM not taken (the update would die without saving)."""
+    got = _run(signalled_rank, signal_at=2, signum=signum)
     assert {rank: stopped for rank, (stopped, _) in got.items()} == {0: 2, 1: 2}
     assert ({rank: requested for rank, (_, requested) in got.items()}
             == {r: r == signalled_rank for r in range(WORLD)})
