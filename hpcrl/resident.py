@@ -276,6 +276,7 @@ class Generator:
         print(f"[resident] trainer and vLLM agree on the probe: {metrics['sync/start_logp_diff']:.1e} "
               f"(tolerance {tol:.0e})", flush=True)
         self.gen.metrics = metrics  # in the next generation's manifest
+        self.noise = metrics["sync/start_logp_diff"]  # what the probe cannot resolve (check_probe)
 
     def _next_stage(self) -> tuple[int, str] | None:
         """The next stage to run: the first uncommitted one, but for the update being committed."""
@@ -308,7 +309,7 @@ class Generator:
         engine_lp = generation.sequence_logprobs(self.llm, self.probe)
         tol = weight_sync.probe_tolerance(self.exp.executor.resident.sync_check_tol, self.exp.model.dtype)
         metrics = weight_sync.check_probe(engine_lp, reply["probe_new"], reply["probe_old"], tol,
-                                          version=k + 1)
+                                          version=k + 1, noise=getattr(self, "noise", None))
         metrics["sync/probe_s"] = time.perf_counter() - t0
         nbytes = float(reply["handoff"]["bytes"])
         self.gen.metrics = {**metrics, "sync/seconds": sync_s, "sync/bytes": nbytes,

@@ -121,6 +121,19 @@ def test_check_probe_thresholds():
     assert check_probe([[-1.0, -2.0]], new, new, 1e-4, version=3)["sync/logp_diff"] == 0.0
 
 
+def test_a_skipped_sync_of_an_update_below_the_tolerance_is_seen():
+    """Issue #17 defect 10: an update that moves the probe by less than the tolerance (lr 1e-6)
+    left a skipped sync unnoticed. Beyond the noise the start probe measured it is seen."""
+    new, old = [[-1.0, -2.0]], [[-1.00005, -2.00005]]  # shift 5e-5 < tol 1e-4
+    assert check_probe(old, new, old, 1e-4, version=3)["sync/logp_diff"] < 1e-4  # unmeasured noise: passes
+    with pytest.raises(WeightSyncError, match="matches the previous weights"):
+        check_probe(old, new, old, 1e-4, version=3, noise=5e-7)  # vLLM kept the old weights
+    synced = [[-1.0000005, -2.0]]
+    assert check_probe(synced, new, old, 1e-4, version=3, noise=5e-7)["sync/logp_diff"] < 1e-6
+    # within the noise the two cannot be told apart, and nothing is claimed
+    assert check_probe(old, new, old, 1e-4, version=3, noise=1e-4)["sync/update_shift"] < 1e-4
+
+
 def _same_outputs(a: RunDir, b: RunDir, exp) -> None:
     for k, s in plan.all_stages(exp):
         if s == "update":
