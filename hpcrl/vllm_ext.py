@@ -42,7 +42,7 @@ class WeightReceiver:
                 received["tensors"] += 1
                 yield name, tensor
 
-        self.model_runner.reload_weights(weights_iterator=stream())
+        self.reload_weights(weights_iterator=stream())  # the worker's: under its vLLM config context
         refresh_cpu_copies(self.model_runner.get_model())
         return {**received, "seconds": time.perf_counter() - t0}
 
