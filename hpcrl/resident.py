@@ -184,6 +184,7 @@ class Trainer:
         reply = {"probe_old": old, "probe_new": new}
         weights = self.actor.checkpoint_weights()
         if self.sync is not None:  # trainer 0 sends
+            self.plane.signal(f"sending/{k}")  # the generator wakes its weights and posts its receive now
             reply["handoff"] = self.sync.send(weights).as_dict()
         elif self.exp.update.zero_stage == 3:  # the others take part in each layer's gather
             collections.deque(weights, maxlen=0)
@@ -295,6 +296,9 @@ class Generator:
             self.llm.sleep(level=2)
         seq = self.plane.send({"op": UPDATE, "iteration": k, "checkpoint": checkpoint_due(self.exp, k),
                                "probe": self.probe})
+        # through the update on the control plane: vLLM's weights stay asleep, and its receive is
+        # posted only when trainer 0 sends (not under the NCCL watchdog for the whole update)
+        self.plane.wait_signal(f"sending/{k}")
         if colocate:
             self.llm.wake_up(tags=["weights"])
         reply, sync_s = self._load_weights(seq)
