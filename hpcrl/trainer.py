@@ -25,8 +25,12 @@ DS_TAG = "state"
 def zero_stage(exp: Experiment, world_size: int) -> int:
     """The ZeRO stage DeepSpeed runs: update.zero_stage, except that stages 1 and 2 become 0 on one
     rank. They partition optimizer state and gradients over the data-parallel ranks; with one rank
-    there is nothing to partition, and ZeRO-2's gradient buckets cost 13% of a 99M update on CPU."""
+    there is nothing to partition, and ZeRO-2's gradient buckets cost 13% of a 99M update on CPU.
+    bf16 runs at least stage 1: DeepSpeed's stage 0 keeps no fp32 master weights and cannot
+    accumulate gradients in fp32 (its bf16 optimizer, with both, is stage 1's)."""
     stage = exp.update.zero_stage
+    if exp.model.dtype == "bfloat16":
+        return 1 if stage < 2 or (world_size == 1 and stage == 2) else stage
     return 0 if world_size == 1 and stage in (1, 2) else stage
 
 
@@ -40,6 +44,8 @@ def ds_config(exp: Experiment, world_size: int, grad_accum: int) -> dict:
         "zero_optimization": {"stage": zero_stage(exp, world_size),
                               "stage3_gather_16bit_weights_on_model_save": True},
         "bf16": {"enabled": exp.model.dtype == "bfloat16"},
+        # bf16 weights, fp32 gradient accumulation (and master weights): small updates do not vanish
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if exp.model.dtype == "bfloat16" else {}),
         "fp16": {"enabled": exp.model.dtype == "float16"},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,

@@ -70,10 +70,12 @@ def _commit_inputs(run: RunDir, exp: config.Experiment, tokenizer,
     commit.commit(run.stage_dir(0, "score"), w, {"stage": "score", "policy_version": 0})
 
 
-def _run_update(write_experiment, name: str, algorithm: dict | None = None, **update) -> RunDir:
+def _run_update(write_experiment, name: str, algorithm: dict | None = None, model: dict | None = None,
+                **update) -> RunDir:
     from transformers import AutoTokenizer
 
-    exp = config.load(write_experiment(name, update=update, run={"iterations": 1}, algorithm=algorithm or {}))
+    exp = config.load(write_experiment(name, update=update, run={"iterations": 1}, algorithm=algorithm or {},
+                                       model=model or {}))
     run, _ = runs.prepare(exp, name)
     _commit_inputs(run, exp, AutoTokenizer.from_pretrained(exp.model.path))
     job = executors.LocalExecutor(run, exp).submit("update", 0)
@@ -431,3 +433,20 @@ def test_an_update_that_goes_non_finite_commits_nothing(write_experiment):
         job.result()
     assert not commit.is_committed(run.stage_dir(0, "update"))
     assert not (run.stage_dir(0, "update") / "policy").exists()
+
+
+def test_a_bf16_update_keeps_fp32_master_weights_and_gradients(write_experiment):
+    """Issue #17 defect 11: bf16 ran DeepSpeed's stage 0 on one rank (no fp32 master weights) and
+    accumulated gradients in bf16. Now: its bf16 optimizer (stage 1), fp32 accumulation; a real
+    one-rank bf16 update runs with it and moves the policy."""
+    from hpcrl import trainer
+
+    exp = config.load(write_experiment("bf16", model={"dtype": "bfloat16"}))
+    ds = trainer.ds_config(exp, 1, 1)
+    assert ds["zero_optimization"]["stage"] == 1 and ds["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert trainer.zero_stage(exp, 2) == 2  # update.zero_stage over several ranks, as configured
+    run = _run_update(write_experiment, "bf16run", model={"dtype": "bfloat16"}, sampler_mismatch_tol=1.0)
+    stats = commit.read_table(run.stage_dir(0, "update"), "stats").to_pylist()
+    assert all(s["grad_norm"] > 0 for s in stats)
+    base = load_file(run.policy_dir(0, config.load(run.config_path).model.path) / "model.safetensors")
+    assert any(not torch.equal(v.float(), base[k].float()) for k, v in _weights(run).items())
