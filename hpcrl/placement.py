@@ -115,6 +115,13 @@ def staged_plans(exp: Experiment) -> dict[str, list[Slot]]:
     return plans
 
 
+def narrowed(visible: str | None, gpus: tuple[int, ...]) -> str:
+    """CUDA_VISIBLE_DEVICES for the node's GPUs `gpus` (indices among `visible`, what Slurm gave
+    the node's tasks; all of the node's when unset)."""
+    ids = visible.split(",") if visible else [str(i) for i in range(max(gpus) + 1)]
+    return ",".join(ids[i] for i in gpus)
+
+
 def bind(exp: Experiment, task: int) -> Slot | None:
     """Narrow this task's CUDA_VISIBLE_DEVICES to its slot's GPUs (before CUDA is initialised),
     set LOCAL_RANK to 0 (its first GPU), and make vLLM spawn its workers; the slot, if any."""
@@ -122,9 +129,7 @@ def bind(exp: Experiment, task: int) -> Slot | None:
     if slots is None:
         return None
     slot = slots[task]
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(max(slot.gpus) + 1)]
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in slot.gpus)
+    os.environ["CUDA_VISIBLE_DEVICES"] = narrowed(os.environ.get("CUDA_VISIBLE_DEVICES"), slot.gpus)
     os.environ["LOCAL_RANK"] = "0"
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # workers of a process that saw CUDA
     return slot

@@ -1,0 +1,177 @@
+"""The GPU paths that one machine can check (docs/gpus.md), as one run: a table of what passed.
+
+    python tools/gpu_check.py            # or: bash tools/gpu_check.sh (a time limit around it)
+
+Each check runs what this machine allows and says why it skips the rest: on a CPU machine the
+GPU-only parts skip (CI runs it so: every CPU-runnable part must pass); on a GPU machine without
+vLLM or DeepSpeed (the development device) their checks skip. It exits 1 if any check fails.
+Checks that need two GPUs or more (NCCL between two ranks, vLLM tensor parallelism, a real
+resident run) are listed at the end for a real cluster.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+class Skip(Exception):
+    """The check cannot run here; the message says why."""
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def check_backend_map() -> str:
+    """The trainers' default group (hpcrl.distributed.default_backend) all-reduces a CPU tensor,
+    and on a GPU a CUDA tensor too, in a one-rank group."""
+    import torch.distributed as dist
+
+    from hpcrl.distributed import default_backend, free_port
+
+    backend = default_backend(_cuda())
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        cpu = torch.ones(3)
+        dist.all_reduce(cpu)
+        done = ["a CPU tensor"]
+        if _cuda():
+            gpu = torch.ones(3, device="cuda")
+            dist.all_reduce(gpu)
+            done.append("a CUDA tensor")
+        return f"{backend}: all-reduced {' and '.join(done)}"
+    finally:
+        dist.destroy_process_group()
+
+
+CHILD = ("import os, torch; print(os.environ['CUDA_VISIBLE_DEVICES'], torch.cuda.device_count() "
+         "if torch.cuda.is_available() else 0)")
+
+
+def check_binding() -> str:
+    """A task bound to its slot sees only its GPUs: hpcrl.placement narrows the visible GPUs, and a
+    fresh process (as Slurm starts a task) counts them."""
+    from hpcrl.placement import narrowed
+
+    n = torch.cuda.device_count() if _cuda() else 0
+    slot = (n - 1,) if n else (1,)  # the node's last GPU
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": narrowed(os.environ.get("CUDA_VISIBLE_DEVICES"), slot)}
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120)
+    if out.returncode:
+        raise RuntimeError(out.stderr.strip().splitlines()[-1])
+    seen, count = out.stdout.split()
+    if n and int(count) != 1:
+        raise RuntimeError(f"bound to GPU {seen}, the task sees {count} GPUs")
+    return f"bound to GPU {seen}: sees {count} GPU(s)" + ("" if n else " (no GPU here: the environment only)")
+
+
+def _tiny_model(device: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).to(device)
+
+
+def check_handoff() -> str:
+    """The checkpoint view of a model on the device, through the shared-memory transport, arrives
+    bit-identical."""
+    from hpcrl import checkpoint_view, weight_sync
+
+    device = "cuda" if _cuda() else "cpu"
+    model = _tiny_model(device)
+    sent = {n: t.detach().cpu().clone() for n, t in checkpoint_view.tensors(model)}
+    sync = weight_sync.SharedMemorySync()
+    nbytes, header = sync.send(checkpoint_view.tensors(model))
+    buffer = weight_sync.SharedMemorySync.map(sync.path, header)
+    got = dict(weight_sync.SharedMemorySync.receive(buffer, header))
+    bad = [n for n in sent if not torch.equal(sent[n], got[n])]
+    if bad or set(got) != set(sent):
+        raise RuntimeError(f"{len(bad)} tensor(s) differ after the hand-off, e.g. {bad[:2]}")
+    return f"{len(sent)} tensors ({nbytes / 1e6:.1f} MB) from {device} tensors, bit-identical"
+
+
+def check_bf16_update() -> str:
+    """One optimizer step of a bf16 model with hpcrl's DeepSpeed settings (bf16 optimizer: fp32
+    master weights, fp32 gradient accumulation)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        raise Skip("DeepSpeed is not installed here")
+    import deepspeed
+
+    from hpcrl.distributed import free_port
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+    model = _tiny_model("cuda" if _cuda() else "cpu").to(torch.bfloat16)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
+              "data_types": {"grad_accum_dtype": "fp32"}, "steps_per_print": 1 << 30}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    masters = getattr(engine.optimizer, "fp32_groups_flat_partition", None)
+    if not masters or masters[0].dtype != torch.float32:
+        raise RuntimeError(f"{type(engine.optimizer).__name__} keeps no fp32 master weights")
+    before = masters[0].detach().clone()
+    ids = torch.randint(0, 128, (2, 16), device=engine.device)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    step = (masters[0].detach() - before).abs().max().item()
+    if not 0 < step < 1e-5:
+        raise RuntimeError(f"a step at lr 1e-6 moved the fp32 master weights by {step:.1e}")
+    return (f"{type(engine.optimizer).__name__}: fp32 master weights moved by {step:.1e} at lr 1e-6 "
+            "(below bf16's resolution of the weights)")
+
+
+def check_vllm_sleep() -> str:
+    """vLLM puts a model to sleep (level 2) and wakes its weights then its KV cache."""
+    if not _cuda():
+        raise Skip("no GPU here (vLLM's sleep mode is CUDA's)")
+    if importlib.util.find_spec("vllm") is None:
+        raise Skip("vLLM is not installed here")
+    raise Skip("not written yet: needs a model directory on the machine")
+
+
+CHECKS = [check_backend_map, check_binding, check_handoff, check_bf16_update, check_vllm_sleep]
+CLUSTER = [
+    "NCCL weight broadcast from trainer 0 to vLLM's workers on another node (a resident run, "
+    "executor.resident.weight_sync = \"process_group\")",
+    "vLLM tensor parallelism 2 with the worker extension: both workers receive the sync",
+    "the placement of a 2-node resident job: no two tasks on one GPU (nvidia-smi per task)",
+    "colocation: vLLM asleep through an update, the trainer's memory freed before it wakes",
+]
+
+
+def main() -> int:
+    rows, failed = [], 0
+    for check in CHECKS:
+        t0 = time.perf_counter()
+        try:
+            result, what = "passed", check()
+        except Skip as skip:
+            result, what = "skipped", str(skip)
+        except Exception as err:  # noqa: BLE001 - every failure is a row of the table
+            result, what = "FAILED", f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            failed += 1
+        rows.append((check.__name__.removeprefix("check_"), result, f"{time.perf_counter() - t0:.1f}", what))
+    device = torch.cuda.get_device_name(0) if _cuda() else "no GPU"
+    print(f"GPU check on {os.uname().nodename} ({device}), torch {torch.__version__}\n")
+    print("| check | result | seconds | what |\n|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    print("\nFor a cluster with 2+ GPUs (not run here):\n" + "\n".join(f"- {c}" for c in CLUSTER))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
