@@ -46,26 +46,50 @@ def configure_env(exp: Experiment, scratch: Path | None = None) -> None:
     """Environment vLLM reads at import time, set before `import vllm`: per-user scratch, no usage stats."""
     scratch = private_dir(scratch or Path(tempfile.gettempdir()) / f"hpcrl-vllm-{os.getuid()}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_RPC_BASE_PATH", str(scratch / "rpc"))
+    os.environ.setdefault("VLLM_RPC_BASE_PATH", str(private_dir(scratch / "rpc")))  # tensor-parallel IPC
     os.environ.setdefault("VLLM_CACHE_ROOT", str(scratch / "cache"))
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # In-process engine core: 3-5 s to start instead of 15-33 s, and no spawned workers.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if not on_gpu():
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if not on_gpu():  # each tensor-parallel worker its own cores, or no binding for one
+        binding = cpu_thread_binding(exp.generate.tensor_parallel_size)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", binding)
     else:  # this process has initialised CUDA (on_gpu): tensor-parallel workers must not fork from it
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
+def cpu_thread_binding(tp: int, cores: list[int] | None = None) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp` CPU workers: this process's cores in `tp` contiguous
+    groups ("0|1" on 2 cores, "0-3|4-7" on 8); "nobind" for one worker. vllm-cpu refuses tensor
+    parallelism without it (its NUMA auto-binding needs one node per rank)."""
+    if tp == 1:
+        return "nobind"
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if len(cores) < tp:
+        raise ValueError(f"generate.tensor_parallel_size = {tp} needs at least {tp} CPU cores for vLLM's "
+                         f"workers on CPU; this process has {len(cores)}")
+    per = len(cores) // tp
+    return "|".join(_cpu_list(cores[i * per:(i + 1) * per]) for i in range(tp))
+
+
+def _cpu_list(cores: list[int]) -> str:
+    """"0-3,6" for [0, 1, 2, 3, 6]."""
+    runs, start = [], cores[0]
+    for prev, cur in zip(cores, [*cores[1:], None], strict=True):
+        if cur != prev + 1:
+            runs.append(f"{start}-{prev}" if prev > start else str(start))
+            start = cur
+    return ",".join(runs)
 
 
 def make_engine(exp: Experiment, model_path: Path, seed: int, worker_extension_cls: str | None = None):
     configure_env(exp)
     from vllm import LLM
 
-    kwargs = {}
+    kwargs = {"tensor_parallel_size": exp.generate.tensor_parallel_size}
     if on_gpu():
         kwargs["gpu_memory_utilization"] = exp.generate.gpu_memory_utilization
-        kwargs["tensor_parallel_size"] = exp.generate.tensor_parallel_size
         kwargs["enable_sleep_mode"] = exp.executor.mode == "resident" and exp.executor.resident.colocate
     else:  # explicit KV cache size (left unset, vLLM's CPU backend takes most of the node's memory)
         kwargs["kv_cache_memory_bytes"] = int(exp.generate.kv_cache_gib * (1 << 30))

@@ -136,3 +136,47 @@ def test_vllm_computes_the_trainers_model_after_a_sync(family, family_dir, write
 
 def _flat(rows: list[list[float]]) -> list[float]:
     return [x for r in rows for x in r]
+
+
+def _digests(worker) -> dict[str, str]:
+    """Run in each vLLM worker: a hash of every parameter it holds (its shard)."""
+    import hashlib
+
+    return {name: hashlib.sha256(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            .hexdigest() for name, p in worker.model_runner.get_model().named_parameters()}
+
+
+def test_tensor_parallel_workers_each_load_their_shard_of_the_sync(family_dir, write_experiment, tmp_path,
+                                                                   own_engine):
+    """Issue #17: vLLM with tensor_parallel_size = 2 (on CPU, each worker bound to its own core):
+    both workers join the sync (ranks 1 and 2 of its group) and then hold, bit for bit, the shards
+    an engine loading the updated checkpoint holds; the probe matches the trainer."""
+    import os
+
+    from hpcrl import config, generation, transports
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.fail("tensor parallelism 2 on CPU needs 2 cores")  # CI's machine has them: never skipped
+    path = family_dir / "qwen2"
+    exp = config.load(write_experiment(model={"path": str(path), "max_model_len": 64},
+                                       generate={"tensor_parallel_size": 2}))
+    trained = _moved(path)
+    trained.save_pretrained(tmp_path / "trained")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if (path / f).exists():
+            (tmp_path / "trained" / f).write_bytes((path / f).read_bytes())
+    fresh = generation.make_engine(exp, tmp_path / "trained", 0)
+    expected = fresh.collective_rpc(_digests)
+    fresh.llm_engine.engine_core.shutdown()  # its workers end (they hold both cores)
+    llm = generation.make_engine(exp, path, 0, worker_extension_cls="hpcrl.vllm_ext.WeightReceiver")
+    setup = transports.SyncSetup("shared_memory", tp=2)
+    sender = transports.make(setup)
+    sender.open_sender()
+    assert llm.collective_rpc("hpcrl_open_sync", args=(setup.as_dict(), 0)) == [1, 2]
+    llm.collective_rpc("hpcrl_load_weights", args=(sender.send(checkpoint_view.tensors(trained)).as_dict(),))
+    llm.reset_prefix_cache()
+    got = llm.collective_rpc(_digests)
+    assert len(got) == 2 and got == expected
+    diff = abs(torch.tensor(_flat(generation.sequence_logprobs(llm, PROBE)))
+               - torch.tensor(_flat(_probe(trained, PROBE)))).mean().item()
+    assert diff < 1e-5
