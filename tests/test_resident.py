@@ -178,6 +178,22 @@ def test_resident_runs_commit_what_the_staged_run_commits(write_experiment):
             assert ("wait" in generate["timings"]) == exp.executor.resident.overlap_commit
 
 
+def test_a_resident_run_with_tensor_parallel_vllm_passes_its_probes(write_experiment):
+    """Issue #17: vLLM with tensor_parallel_size = 2 (each CPU worker on its own core) receives every
+    sync over the process group (a group of trainer 0 and both workers) and agrees with the trainer
+    before and after each update (the shards bit for bit: tests/test_families.py)."""
+    path = write_experiment("tp2", run={"iterations": 1, "eval_every": 0},
+                            generate={"tensor_parallel_size": 2},
+                            executor=_resident(weight_sync="process_group"))
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = RunDir.at(config.load(path).run_dir)
+    start, synced = (commit.read_manifest(run.stage_dir(k, "generate"))["metrics"] for k in (0, 1))
+    assert start["sync/start_logp_diff"] < 1e-5
+    assert synced["sync/logp_diff"] < 1e-5 < synced["sync/update_shift"]
+
+
 def test_killed_generator_is_noticed_by_the_monitor_and_the_run_resumes_staged(write_experiment):
     """A generator killed mid-run stops the whole job through the trainer's monitor (the message
     names it), not through a collective timeout (collective_timeout_s is 30 min by default, far
