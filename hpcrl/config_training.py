@@ -196,8 +196,8 @@ class GenerateConfig(Section):
     kv_cache_gib: float = Field(1.0, gt=0, description="vLLM KV cache size on CPU in GiB (fractions "
                                 "allowed).")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM memory share on a GPU.")
-    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size (GPUs of the engine; on "
-                                      "CPU, workers each bound to their share of the task's cores).")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size (GPUs of the engine; "
+                                      "on CPU, workers each bound to their share of the task's cores).")
 
 
 class RewardModelConfig(Section):
