@@ -141,3 +141,21 @@ def test_the_run_lock_on_a_filesystem_without_locks_says_what_to_do(tmp_path, mo
     assert said.startswith(f"file locks do not work on the filesystem of {tmp_path / '.controller.lock'}: "
                            f"flock(2) fails with {errno.errorcode[code]}")
     assert "run.runs_root" in said and "`noflock`" in said and "`nolock`" in said
+
+
+def test_a_run_completes_while_another_process_holds_its_tracking_store(tmp_path, capsys, tiny_task):
+    from hpcrl import plan
+    from hpcrl.controller import Controller
+    from tests.synthetic_run import make_run
+
+    run = make_run(tmp_path / "runs" / "locked", iterations=1, rows=16, policy_from=tiny_task / "model")
+    exp = config.with_overrides(config.load(run.config_path), {"tracking.enabled": True}, "test")
+    holder = _hold_store(tracking.tracking_uri(exp))
+    try:
+        Controller(run, exp, echo=lambda line: None, show_progress=False).run_all()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not plan.pending_stages(run, exp)
+    [warning] = _warnings(capsys.readouterr().err)
+    assert "database is locked" in warning and "the run goes on without tracking" in warning
