@@ -50,7 +50,9 @@ def slurm_parameters(exp: Experiment, role: str, run_name: str, iteration: int |
     params: dict = {"job_name": name, "nodes": r.nodes, "ntasks_per_node": tasks,
                     "cpus_per_task": r.cpus_per_task, "time": r.time_min,
                     "additional_parameters": {"requeue": True, **r.extra}}
-    if role in ("controller", "resident"):  # one at a time per run (the job name holds the run's)
+    if role == "controller" or (role == "resident" and generator_node(exp, role) is None):
+        # one at a time per run (the job name holds the run's); not a heterogeneous job, whose
+        # second component would wait on its first for ever
         params["dependency"] = "singleton"
         if exp.executor.notify.mail:
             params["additional_parameters"].update(mail_type="END,FAIL", mail_user=exp.executor.notify.mail)

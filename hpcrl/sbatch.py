@@ -109,6 +109,7 @@ def test_only(paths: list[Path]) -> list[tuple[Path, bool, str]]:
 def submit(run: RunDir, exp: Experiment, role: str) -> executors.StageJob:
     """A job as `render` writes it, submitted with sbatch: for what submitit cannot submit (a
     heterogeneous resident job). Its output: logs/<job name>-<job id>.out."""
+    run.logs.mkdir(parents=True, exist_ok=True)
     path = run.logs / f"{role}-{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
     path.write_text(render(run, exp, role))
     out = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, timeout=60,

@@ -107,6 +107,7 @@ def test_the_7b_resident_layout_renders_as_one_heterogeneous_job(write_experimen
     for line in ("--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=4", "--partition=infer"):
         assert f"#SBATCH {line}\n" in generator
     assert "srun --het-group=0,1 --kill-on-bad-exit=1" in generator
+    assert "singleton" not in script  # its second component would wait for its first for ever
     slots = placement.plan(exp)
     assert len({(s.node, s.gpus) for s in slots[:32]}) == 32 and {s.node for s in slots[:32]} == {0, 1, 2, 3}
     assert (slots[32].role, slots[32].node, slots[32].gpus) == ("generator", 4, (0, 1, 2, 3))
