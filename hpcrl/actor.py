@@ -6,7 +6,9 @@ streams its weights to the generator after each update. The update of an iterati
 (hpcrl.update) drives it: `train_step` takes one optimizer step of the policy on a mini-batch,
 with the policy loss built once from the config (hpcrl.losses.POLICY_LOSSES). With
 `algorithm.name = "ppo"` the actor also owns the critic (hpcrl.critic), which takes its own
-steps beside the policy's on the same mini-batches.
+steps beside the policy's on the same mini-batches. With asynchronous generation
+(`algorithm.max_staleness`) each token's loss is weighted by min(pi_old / pi_sampler,
+`algorithm.off_policy_cap`) (hpcrl.losses.behaviour_weight), pi_sampler the policy that generated it.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from pathlib import Path
 import torch
 
 from hpcrl import checkpoint_view, commit, losses, moe, policy_model, trainer
-from hpcrl.batches import Samples, micro_batches, padded, response_outputs, response_values
+from hpcrl.batches import MicroBatch, Samples, micro_batches, padded, response_outputs, response_values
 from hpcrl.config import Experiment
 from hpcrl.stage import StageContext
 from hpcrl.weight_sync import Named
 
 STAT_NAMES = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_ref", "entropy", "is_weight_mean")
+OFF_POLICY_NAMES = ("off_policy_weight_mean", "off_policy_clipfrac")  # with the off-policy correction
 
 
 @dataclass
@@ -56,6 +59,8 @@ class Actor:
         self.router = moe.RouterTally(model, k) if k else None
         self.engine = trainer.make_engine(model, u.lr, exp, world_size, grad_accum, state_dir)
         self.policy_loss = losses.policy_loss(exp.algorithm, exp.generate.max_tokens)
+        a = exp.algorithm
+        self.off_policy = a.max_staleness > 0 and a.off_policy_cap > 0 and a.old_logprobs == "recompute"
         self.ref_model = None
         if exp.algorithm.kl.coef > 0:
             self.ref_model = policy_model.load_causal_lm(exp.model.path, dtype, exp.model.attn_implementation)
@@ -81,14 +86,16 @@ class Actor:
         """One optimizer step of the policy on mini-batch `mini`; its statistics (global token means).
 
         With `inputs.old` None the old logprobs are this forward pass's own (detached), and come
-        back, gathered by row, as stats["old"]."""
+        back, gathered by row, as stats["old"]. With the off-policy correction (`self.off_policy`)
+        the token losses are weighted by the truncated importance weight of old over sampler."""
         exp, engine = self.exp, self.engine
         n_tokens = sum(len(samples.response_ids[i]) for i in mini)
         mbs = micro_batches(samples, trainer.rank_rows(mini, self.rank, self.world_size),
                             exp.update.micro_batch_size, self.pad_id, exp.update.share_prompts)
         scale = self.world_size * len(mbs)  # undo DeepSpeed's mean over ranks and micro-batches
-        sums = dict.fromkeys(STAT_NAMES, 0.0)
-        weight_max = 0.0
+        names = STAT_NAMES + (OFF_POLICY_NAMES if self.off_policy else ())
+        sums = dict.fromkeys(names, 0.0)
+        weight_max, behaviour_max = 0.0, 0.0
         fresh_old, routed = {}, []
         tally = self.router
         for mb in mbs:
@@ -103,25 +110,39 @@ class Actor:
                 mb_old = padded(inputs.old, mb)
             mb_adv = (padded(inputs.adv, mb) if isinstance(inputs.adv, dict)
                       else inputs.adv[mb.index].to(logp.device))
+            bw = self._behaviour_weight(samples, mb, mb_old)
             out = self.policy_loss(logp, mb_old, mb_adv, mb.mask, kl_coef=inputs.kl_coef, n_tokens=n_tokens,
                                    ref_logp=padded(inputs.ref, mb) if inputs.ref is not None else None,
-                                   n_seqs=len(mini), token_entropy=token_entropy)
+                                   n_seqs=len(mini), token_entropy=token_entropy,
+                                   behaviour_weight=bw.weight if bw is not None else None)
             if not torch.isfinite(out.loss):
                 raise FloatingPointError(f"non-finite loss ({out.loss.item()}) on rank {self.rank}; the "
                                          "update is not committed and the run stays at the last good "
                                          "policy version")
             engine.backward(out.loss * scale + self._router_term(tally, routed))
-            _accumulate(sums, out, logits, token_entropy, mb.mask, (n_tokens, len(mini)))
+            _accumulate(sums, out, logits, token_entropy, mb.mask, (n_tokens, len(mini)), bw)
             weight_max = max(weight_max, out.weight_max.item())
+            if bw is not None:
+                behaviour_max = max(behaviour_max, bw.max.item())
             grad_norm = trainer.engine_step(engine)
-        stats = dict(zip(STAT_NAMES, trainer.all_sum([sums[k] for k in STAT_NAMES]), strict=True))
+        stats = dict(zip(names, trainer.all_sum([sums[k] for k in names]), strict=True))
         stats.update(grad_norm=grad_norm, lr=engine.get_lr()[0], tokens=n_tokens,
-                     is_weight_max=trainer.all_max(weight_max))
+                     is_weight_max=trainer.all_max(weight_max),
+                     off_policy_weight_max=trainer.all_max(behaviour_max) if self.off_policy else None)
         if tally is not None:
             stats.update(_router_stats(routed))
         if inputs.old is None:
             stats["old"] = trainer.all_gather_rows(fresh_old)
         return stats
+
+    def _behaviour_weight(self, samples: Samples, mb: MicroBatch,
+                          old: torch.Tensor) -> losses.BehaviourWeight | None:
+        """With the off-policy correction, a micro-batch's truncated weight pi_old / pi_sampler."""
+        if not self.off_policy:
+            return None
+        a = self.exp.algorithm
+        return losses.behaviour_weight(old, padded(samples.sampler_logprobs, mb), mb.mask, a.off_policy_cap,
+                                       a.max_log_ratio)
 
     def _router_term(self, tally: moe.RouterTally | None, routed: list) -> torch.Tensor | float:
         """An MoE micro-batch's load-balancing term of the loss (update.moe_aux_loss_coef x the
@@ -185,9 +206,11 @@ def _router_stats(routed: list[tuple[torch.Tensor, float]]) -> dict:
 
 
 def _accumulate(sums: dict[str, float], out: losses.PolicyLoss, logits: torch.Tensor,
-                token_entropy: torch.Tensor | None, mask: torch.Tensor, totals: tuple[int, int]) -> None:
+                token_entropy: torch.Tensor | None, mask: torch.Tensor, totals: tuple[int, int],
+                behaviour: losses.BehaviourWeight | None = None) -> None:
     """Add one micro-batch's share of the step's statistics: token means over the mini-batch's
-    `totals` (tokens, sequences), or sequence means for a loss that clips sequences."""
+    `totals` (tokens, sequences), or sequence means for a loss that clips sequences; the
+    off-policy weight's (`behaviour`) are token means."""
     n_tokens, n_seqs = totals
     tokens = float(mask.sum())
     share = tokens / n_tokens if out.level == "token" else float((mask.sum(-1) > 0).sum()) / n_seqs
@@ -201,3 +224,6 @@ def _accumulate(sums: dict[str, float], out: losses.PolicyLoss, logits: torch.Te
     sums["ppo_kl"] += out.ppo_kl.item() * tokens / n_tokens
     sums["kl_ref"] += out.kl_ref.item() * tokens / n_tokens
     sums["entropy"] += ent / n_tokens
+    if behaviour is not None:
+        sums["off_policy_weight_mean"] += behaviour.mean.item() * tokens / n_tokens
+        sums["off_policy_clipfrac"] += behaviour.clipfrac.item() * tokens / n_tokens

@@ -38,6 +38,7 @@ class Samples:
     rewards: torch.Tensor
     group_ids: torch.Tensor
     baselines: torch.Tensor | None = None  # remax: the reward of each sample's prompt's greedy sample
+    policy_versions: torch.Tensor | None = None  # int64: the policy version that generated each sample
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -60,6 +61,7 @@ def load_samples(rollouts: pa.Table, scores: pa.Table) -> Samples:
         rewards=torch.tensor(s["reward"].to_numpy(), dtype=torch.float64),
         group_ids=torch.tensor(train["prompt_index"].to_numpy()),
         baselines=_baselines(scores, train["prompt_index"].to_pylist()),
+        policy_versions=torch.tensor(train["policy_version"].to_numpy(), dtype=torch.int64),
     )
 
 
@@ -186,8 +188,8 @@ def response_values(values: torch.Tensor, batch: MicroBatch) -> list[list[float]
     return [values[b][batch.mask[b].bool()].tolist() for b in range(values.shape[0])]
 
 
-def padded(rows_values: dict[int, list[float]], mb: MicroBatch) -> torch.Tensor:
-    """Per-row response values placed at the mask positions of a micro-batch."""
+def padded(rows_values: dict[int, list[float]] | list[list[float]], mb: MicroBatch) -> torch.Tensor:
+    """Per-row response values (by row of Samples) placed at the mask positions of a micro-batch."""
     t = torch.zeros_like(mb.mask)
     for b, i in enumerate(mb.index.tolist()):
         t[b][mb.mask[b].bool()] = torch.tensor(rows_values[i], dtype=t.dtype, device=t.device)

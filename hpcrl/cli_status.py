@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from hpcrl import commit, plan
+from hpcrl import commit, plan, utilisation
 from hpcrl.cli_errors import fail as _fail
 from hpcrl.config import ConfigError
 from hpcrl.rundir import RunDir
@@ -45,25 +45,30 @@ def status(run_dir: Path, verify: bool) -> None:
     except ConfigError as err:
         _fail(str(err))
     stages = ORDER
-    click.echo(f"{'iter':>6}  " + "  ".join(f"{s:<12}" for s in stages) + "  reward   val")
-    problems = []
+    click.echo(f"{'iter':>6}  " + "  ".join(f"{s:<12}" for s in stages) + "  reward   val      util")
+    problems, manifests = [], []
     for k in range(exp.run.iterations + 1):
         kinds = plan.stages_of(exp, k)
         if not kinds:
             continue
         cells = [(_stage_state(run, k, s) if s in kinds else "") for s in stages]
-        metrics = {}
+        metrics, found = {}, []
         for s in kinds:
             m = commit.read_manifest(run.stage_dir(k, s))
             if m:
+                found.append(m)
                 metrics.update(m["metrics"])
                 if verify:
                     problems += commit.verify(run.stage_dir(k, s))
+        manifests += found
         reward = f"{metrics['critic/score/mean']:.3f}" if "critic/score/mean" in metrics else "-"
         val = f"{metrics['val/score']:.3f}" if "val/score" in metrics else "-"
-        click.echo(f"{k:>6}  " + "  ".join(f"{c:<12}" for c in cells) + f"  {reward:<7}  {val}")
+        util = utilisation.cell(utilisation.by_role(found))  # busy / allocated device-seconds per role
+        click.echo(f"{k:>6}  " + "  ".join(f"{c:<12}" for c in cells) + f"  {reward:<7}  {val:<7}  {util}")
     nxt = plan.next_stage(run, exp)
     click.echo("complete" if nxt is None else f"next: iteration {nxt[0]} {nxt[1]}")
+    for line in utilisation.summary_lines(utilisation.run_usage(manifests)):
+        click.echo(line)
     from hpcrl import alerts, pruning
 
     click.echo(pruning.status_line(run))

@@ -67,6 +67,10 @@ class Experiment(Section):
                        f"expected at most generate.max_tokens = {self.generate.max_tokens}, "
                        f"got {self.reward.overlong_buffer}")
         ex, w = self.executor, self.update.world_size
+        if ex.mode == "resident" and ex.resident.colocate and self.algorithm.max_staleness:
+            raise Rule("executor.resident.colocate", "asynchronous generation (algorithm.max_staleness = "
+                       f"{self.algorithm.max_staleness}) samples while the trainers update, so vLLM cannot "
+                       "give its GPUs to them; expected colocate = false, or max_staleness = 0")
         if ex.mode != "resident" or ex.kind != "slurm":
             return self
         if ex.resident.generator is not None and w % ex.resident.nodes:

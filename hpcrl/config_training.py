@@ -157,6 +157,15 @@ class AlgorithmConfig(Section):
                                      "iteration, each drawing prompts_per_iteration new prompts; short of "
                                      "informative groups after the last, groups with equal rewards fill the "
                                      "batch.")
+    max_staleness: int = Field(0, ge=0, description="Bounded staleness s of asynchronous generation: "
+                               "iteration k samples with policy version max(0, k - s), so generation of "
+                               "the next s iterations overlaps the update (0: lock-step). Deterministic: "
+                               "a run and its resume give the same outputs at any s.")
+    off_policy_cap: float = Field(2.0, ge=0, description="With max_staleness > 0 and old_logprobs = "
+                                  "\"recompute\": each token's loss is weighted by min(pi_old / "
+                                  "pi_sampler, off_policy_cap), pi_old the trainer's policy before the "
+                                  "update, pi_sampler the (older) policy that generated it (decoupled PPO "
+                                  "with a truncated importance weight); 0: no correction.")
     kl: KLConfig = Field(KLConfig(), description="The KL penalty to the reference policy and its adaptive "
                          "controller.")
     critic: CriticConfig | None = Field(None, description="ppo only: the critic (value model) and GAE.")

@@ -106,7 +106,7 @@ class Controller:
 
     def run_all(self) -> None:
         with RunLock(self.run):
-            for moved in self.run.rollback():
+            for moved in plan.rollback(self.run, self.exp):
                 self.echo(f"moved aside {moved.name}: it depends on a policy version that was not saved "
                           "(executor.resident.checkpoint_every); the run continues from the last saved "
                           "version")
@@ -151,8 +151,9 @@ class Controller:
                 + "\n  ".join(problems) + "\nmove the named stage directories aside to run them again")
 
     def _drive(self, executor, tracker: Tracker) -> None:
-        """Run the uncommitted stages in order; with Slurm, keep `lookahead` more queued behind
-        the running one (afterok), so queue wait overlaps work."""
+        """Run the uncommitted stages in order; with Slurm, keep `lookahead` more queued, each
+        behind the queued jobs of its inputs (afterok): queue wait overlaps work, and with
+        algorithm.max_staleness > 0 the generation of later iterations runs beside an update."""
         queue = self._adopted(executor)
         failures: dict[tuple[int, str], int] = {}
         try:
@@ -165,7 +166,9 @@ class Controller:
                     if len(queue) > executor.lookahead:
                         break
                     if (k, stage) not in queued:
-                        queue.append(executor.submit(stage, k, after=queue[-1] if queue else None))
+                        inputs = set(plan.inputs(self.exp, k, stage))
+                        after = [j for j in queue if (j.iteration, j.stage) in inputs]
+                        queue.append(executor.submit(stage, k, after=after))
                         self.run.record_job(queue[-1].job_id, stage, k)
                 head = queue.pop(0)
                 _wait(head, self.show_progress)
@@ -239,7 +242,7 @@ class Controller:
                 raise
             pending = plan.pending_stages(self.run, self.exp)
             if pending:
-                rolled = self.run.rollback()
+                rolled = plan.rollback(self.run, self.exp)
                 reported -= {ks for ks in reported if not commit.is_committed(self.run.stage_dir(*ks))}
                 for moved in rolled:
                     self.echo(f"moved aside {moved.name} (its policy version was not saved)")
@@ -283,6 +286,7 @@ class Controller:
             tracker.log_table(sample_rows(self.run, k), f"samples/iter_{k:06d}.json")
         if stage == plan.stages_of(self.exp, k)[-1]:
             self.echo(iteration_line(self.exp, self.run, k))
+            tracker.log_utilisation(self.run, k)
             every = self.exp.tracking.plot_every
             if plan.next_stage(self.run, self.exp) is None or (every and (k + 1) % every == 0):
                 tracker.log_plots(self.run, self.exp)

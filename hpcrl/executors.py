@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,12 +91,12 @@ def generator_component(exp: Experiment) -> dict:
 
 
 def submitit_executor(run: RunDir, exp: Experiment, role: str, iteration: int | None = None,
-                      after: str | None = None) -> submitit.SlurmExecutor:
+                      after: Sequence[str] = ()) -> submitit.SlurmExecutor:
     """submitit's executor for one job of `role`: the resources, the job environment
-    (hpcrl.job_env), the signal and the requeue budget; after job `after` succeeds, if given."""
+    (hpcrl.job_env), the signal and the requeue budget; after every job in `after` succeeds."""
     params = slurm_parameters(exp, role, run.root.name, iteration)
-    if after is not None:  # and if that job fails, this one leaves the queue at once
-        params["dependency"] = f"afterok:{after}"
+    if after:  # and if one of them fails, this one leaves the queue at once
+        params["dependency"] = "afterok:" + ":".join(after)
         params["additional_parameters"]["kill_on_invalid_dep"] = "yes"
     env = job_env.job_environment(exp, role, tasks_for(exp, role) if role != "controller" else 1)
     ex = submitit.SlurmExecutor(folder=run.logs / "%j", python=env.python,
@@ -178,7 +179,7 @@ class LocalExecutor:
         self.run = run
         self._ex = submitit.LocalExecutor(folder=run.logs / "%j")
 
-    def submit(self, stage: str, iteration: int | None, after: StageJob | None = None) -> StageJob:
+    def submit(self, stage: str, iteration: int | None, after: Sequence[StageJob] = ()) -> StageJob:
         timeout = (self.exp.executor.resident.time_min if stage == "resident"
                    else self.exp.executor.timeout_min)
         self._ex.update_parameters(timeout_min=timeout, tasks_per_node=tasks_for(self.exp, stage))
@@ -204,8 +205,8 @@ class SlurmExecutor:
         self.run = run
         self.lookahead = exp.executor.lookahead
 
-    def submit(self, stage: str, iteration: int | None, after: StageJob | None = None) -> StageJob:
-        ex = submitit_executor(self.run, self.exp, stage, iteration, after.job_id if after else None)
+    def submit(self, stage: str, iteration: int | None, after: Sequence[StageJob] = ()) -> StageJob:
+        ex = submitit_executor(self.run, self.exp, stage, iteration, [job.job_id for job in after])
         return StageJob(ex.submit(_call(self.run, stage, iteration)), stage, iteration)
 
     def adopt(self, job_id: str, stage: str, iteration: int | None) -> StageJob:

@@ -185,10 +185,7 @@ def generate(ctx, llm, version: int, pool=None, await_policy: Callable[[], None]
     resident mode's reward workers) when given. `await_policy` returns once the update that made
     the policy is committed (the resident trainer commits it while this samples)."""
     exp, k = ctx.exp, ctx.iteration
-    if version != k:
-        raise RuntimeError(f"generate of iteration {k} needs policy version {k}, the engine holds {version}")
-    if version > 0 and await_policy is None:
-        ctx.input_dir(UPDATE, k - 1)
+    _check_version(ctx, version, await_policy is None)
     ctx.policy_version = version
     tokenizer = llm.get_tokenizer()
     with ctx.timed("io"):
@@ -232,10 +229,22 @@ def generate(ctx, llm, version: int, pool=None, await_policy: Callable[[], None]
     if version > 0 and await_policy is not None:
         with ctx.timed("wait"):
             await_policy()
-        ctx.input_dir(UPDATE, k - 1)
+        ctx.input_dir(UPDATE, version - 1)
     with ctx.timed("io"):
         ctx.writer.write_table("rollouts", rollouts)
     ctx.writer.metrics.update(rollout_metrics(rollouts, ctx.timings["compute"]))
+
+
+def _check_version(ctx, version: int, committed: bool) -> None:
+    """The engine must hold the version iteration k samples with (hpcrl.plan.policy_version);
+    `committed`: the update that made it must be committed already."""
+    needed = plan.policy_version(ctx.exp, ctx.iteration)
+    if version != needed:
+        raise RuntimeError(f"generate of iteration {ctx.iteration} needs policy version {needed} "
+                           f"(algorithm.max_staleness = {ctx.exp.algorithm.max_staleness}), the engine "
+                           f"holds {version}")
+    if version > 0 and committed:
+        ctx.input_dir(UPDATE, version - 1)
 
 
 class GenerateStage(Stage):
@@ -256,6 +265,9 @@ class GenerateStage(Stage):
     def startup(self) -> None:
         configure_env(self.exp)
         import vllm  # noqa: F401  (its import cost is process start-up, not model loading)
+
+    def version_for(self, iteration: int) -> int:
+        return plan.policy_version(self.exp, iteration)
 
     def setup(self, version: int, seed: int) -> None:
         extension = "hpcrl.vllm_ext.WeightReceiver" if self.resident else None

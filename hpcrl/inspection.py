@@ -15,7 +15,7 @@ from pathlib import Path
 
 import polars as pl
 
-from hpcrl import commit
+from hpcrl import commit, utilisation
 from hpcrl.config import Experiment
 from hpcrl.config_training import AlgorithmConfig
 from hpcrl.rundir import RunDir
@@ -51,7 +51,7 @@ def iteration_table(run: RunDir, exp: Experiment, extra: tuple[str, ...] = ()) -
     `extra` names more manifest metrics to add as columns (e.g. "response_length/max").
     """
     columns = metric_columns(exp.algorithm) + [(key, key, ".4g") for key in extra]
-    rows = []
+    rows, roles = [], set()
     for k in run.iterations_present():
         found = {s: commit.read_manifest(run.stage_dir(k, s)) for s in ORDER}
         if not any(found.values()):
@@ -60,9 +60,39 @@ def iteration_table(run: RunDir, exp: Experiment, extra: tuple[str, ...] = ()) -
         for s, m in found.items():
             if m and "total" in m.get("timings", {}):
                 metrics[f"timing_s/{s}"] = m["timings"]["total"]
-        rows.append({"iteration": k, **{key: metrics.get(key) for key, _, _ in columns[1:]}})
-    schema = {"iteration": pl.Int64, **{key: pl.Float64 for key, _, _ in columns[1:]}}
-    return pl.DataFrame(rows, schema=schema, orient="row")
+        usage = utilisation.by_role(found.values())
+        roles |= set(usage)
+        rows.append({"iteration": k, **{key: metrics.get(key) for key, _, _ in columns[1:]},
+                     **_utilisation_columns(usage)})
+    keys = [key for key, _, _ in columns[1:]]
+    keys += [f"util/{r}/{c}" for r in sorted(roles, key=utilisation.role_order) for c in UTIL_COLUMNS]
+    schema = {"iteration": pl.Int64, **{key: pl.Float64 for key in keys}}
+    return pl.DataFrame([[r["iteration"], *(r.get(key) for key in keys)] for r in rows], schema=schema,
+                        orient="row")
+
+
+# Per role, when the run's stages record their utilisation (hpcrl.utilisation): busy, allocated and
+# idle device-seconds, devices held (gpu: 1 on GPUs, 0 on CPU cores) and busy / allocated.
+UTIL_COLUMNS = ("utilisation", "busy_s", "allocated_s", "idle_s", "devices", "gpu")
+
+
+def _utilisation_columns(usage: dict[str, utilisation.Usage]) -> dict[str, float | None]:
+    return {f"util/{r}/{c}": v for r, u in usage.items()
+            for c, v in zip(UTIL_COLUMNS, (u.utilisation, u.busy, u.allocated, u.idle, float(u.devices),
+                                           float(u.device_type == "gpu")), strict=True)}
+
+
+def utilisation_summary(df: pl.DataFrame) -> list[str]:
+    """The run's utilisation per role and in total, from the table's util/ columns ([] without)."""
+    roles = {}
+    for col in df.columns:
+        if col.startswith("util/") and col.endswith("/utilisation"):
+            p = col.removesuffix("utilisation")
+            roles[col.split("/")[1]] = utilisation.Usage(
+                device_type="gpu" if (df[p + "gpu"].max() or 0) > 0 else "cpu",
+                devices=int(df[p + "devices"].max() or 0), busy=df[p + "busy_s"].sum(),
+                allocated=df[p + "allocated_s"].sum())
+    return utilisation.summary_lines(roles) if roles else []
 
 
 def committed_file(stage_dir: Path, table: str) -> Path:
@@ -183,7 +213,13 @@ def render_table(df: pl.DataFrame, exp: Experiment, fmt: str) -> str:
     if fmt == "csv":
         return df.write_csv().rstrip("\n")
     cols = metric_columns(exp.algorithm)
-    return _text_table(df, {k: f for k, _, f in cols}, {k: h for k, h, _ in cols})
+    formats, headers = {k: f for k, _, f in cols}, {k: h for k, h, _ in cols}
+    shown = [c for c in df.columns if not c.startswith("util/") or c.endswith("/utilisation")]
+    for c in shown:
+        if c.startswith("util/"):  # each role's busy / allocated, as a percentage
+            role = c.split("/")[1]
+            formats[c], headers[c] = ".0%", f"{utilisation.SHORT.get(role, role)}_util"
+    return "\n".join([_text_table(df.select(shown), formats, headers), *utilisation_summary(df)])
 
 
 def _clip(text: str | None, limit: int = 240) -> str:

@@ -145,3 +145,21 @@ def describe(exp: Experiment) -> str | None:
     lines += [f"{job:<9} {s.task:>5}  {s.role:<13} {s.node:>4}  {','.join(map(str, s.gpus))}"
               for job, job_slots in jobs.items() for s in job_slots]
     return "\n".join(lines)
+
+
+def bind_cpus(role: str, setting: str | None = None) -> set[int] | None:
+    """On a CPU node, pin this task to its role's cores when HPCRL_ROLE_CPUS names them
+    ("trainer=0;generator=1", each a list like "0-3,8"), so each role owns its cores as it owns
+    its GPUs on a GPU node (tools/bench_async.py); the cores set, or None when not named."""
+    setting = os.environ.get("HPCRL_ROLE_CPUS", "") if setting is None else setting
+    cores = dict(part.split("=", 1) for part in setting.split(";") if "=" in part).get(role)
+    if not cores:
+        return None
+    chosen = {c for span in cores.split(",") for c in _span(span)}
+    os.sched_setaffinity(0, chosen)
+    return chosen
+
+
+def _span(text: str) -> range:
+    lo, _, hi = text.partition("-")
+    return range(int(lo), int(hi or lo) + 1)

@@ -6,7 +6,7 @@ generate -> score on the held-out set only, so the final policy is validated too
 
 from __future__ import annotations
 
-from hpcrl import commit
+from hpcrl import commit, stage_kinds
 from hpcrl.config import Experiment
 from hpcrl.rundir import RunDir
 from hpcrl.stage_kinds import GENERATE, ORDER, SCORE
@@ -22,6 +22,21 @@ def validates(exp: Experiment, iteration: int) -> bool:
 
 def trains(exp: Experiment, iteration: int) -> bool:
     return iteration < exp.run.iterations
+
+
+def policy_version(exp: Experiment, iteration: int) -> int:
+    """The policy version the generate stage of `iteration` samples with: max(0, k - s) for a
+    training iteration (s = algorithm.max_staleness, 0 in lock-step), so that generation of the
+    next s iterations can overlap the update; the final, validation-only iteration samples the
+    final policy."""
+    if not trains(exp, iteration):
+        return iteration
+    return max(0, iteration - exp.algorithm.max_staleness)
+
+
+def inputs(exp: Experiment, iteration: int, stage: str) -> list[tuple[int, str]]:
+    """The (iteration, stage) outputs the stage of `iteration` reads, committed before it runs."""
+    return stage_kinds.kind(stage).inputs(iteration, policy_version(exp, iteration))
 
 
 def stages_of(exp: Experiment, iteration: int) -> tuple[str, ...]:
@@ -43,3 +58,22 @@ def next_stage(run: RunDir, exp: Experiment) -> tuple[int, str] | None:
     """The first stage, in run order, that is not committed; None when the run is complete."""
     pending = pending_stages(run, exp)
     return pending[0] if pending else None
+
+
+def resume_version(run: RunDir, exp: Experiment) -> int:
+    """The policy version a run continues from: the latest saved one from which every stage it
+    still has to run can run. With staleness s, the generate stages of iterations v..v+s-1 sample
+    with versions below v: each must be committed already, or its version saved."""
+    saved = sorted({0} | {k + 1 for k in run.iterations_present() if run.has_policy(k + 1)}, reverse=True)
+    for v in saved:
+        early = range(v, min(v + exp.algorithm.max_staleness, exp.run.iterations))
+        if all(commit.is_committed(run.stage_dir(k, GENERATE)) or run.has_policy(policy_version(exp, k))
+               for k in early):
+            return v
+    return 0
+
+
+def rollback(run: RunDir, exp: Experiment) -> list:
+    """Move aside what the run cannot continue from (hpcrl.rundir.RunDir.rollback): the stages
+    after `resume_version`, but for the generations that sampled with a version up to it."""
+    return run.rollback(resume_version(run, exp), lambda k: policy_version(exp, k))

@@ -77,7 +77,8 @@ def needed(run: RunDir, exp: Experiment) -> set[int]:
     """The versions the run still reads: the latest saved one (the run continues from it) and
     those the pending generate and update stages load."""
     pending = plan.pending_stages(run, exp)
-    return {run.latest_saved_version()} | {k for k, s in pending if s in (GENERATE, UPDATE)}
+    return ({run.latest_saved_version()} | {k for k, s in pending if s == UPDATE}
+            | {plan.policy_version(exp, k) for k, s in pending if s == GENERATE})
 
 
 def _part_bytes(manifest: dict, folders: tuple[str, ...]) -> tuple[int, int]:

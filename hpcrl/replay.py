@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcrl import commit, config, executors, pruning, schemas, stage_kinds
+from hpcrl import commit, config, executors, plan, pruning, schemas
 from hpcrl.config import Experiment
 from hpcrl.retention import POLICY, TRAINER
 from hpcrl.rundir import RunDir
@@ -28,16 +28,11 @@ WEIGHT_TOL = 1e-6
 LOSS_TOL = 1e-6  # absolute, per optimizer step
 
 
-def inputs_of(stage: str, iteration: int) -> list[tuple[int, str]]:
-    """The committed stage outputs a stage reads."""
-    return stage_kinds.kind(stage).inputs(iteration)
-
-
-def needs(stage: str, iteration: int) -> list[tuple[int, str]]:
+def needs(exp: Experiment, stage: str, iteration: int) -> list[tuple[int, str]]:
     """(version, part) a replay reads: generate samples with the iteration's policy; an update
     starts from that policy and its trainer state, and compares the policy it made."""
     if stage == GENERATE:
-        return [(iteration, POLICY)]
+        return [(plan.policy_version(exp, iteration), POLICY)]
     if stage == UPDATE:
         return [(iteration, POLICY), (iteration, TRAINER), (iteration + 1, POLICY)]
     return []
@@ -49,9 +44,9 @@ def prepare(run: RunDir, exp: Experiment, iteration: int, stage: str, overrides:
     if not commit.is_committed(original):
         raise commit.CorruptOutputError(f"{original}: not committed; there is nothing to replay")
     what = f"replay of {stage} of iteration {iteration}"
-    for version, part in needs(stage, iteration):
+    for version, part in needs(exp, stage, iteration):
         pruning.require(run, version, part, what)
-    for k, s in [*inputs_of(stage, iteration), (iteration, stage)]:
+    for k, s in [*plan.inputs(exp, iteration, stage), (iteration, stage)]:
         problems = commit.verify(run.stage_dir(k, s))
         if problems:
             raise commit.CorruptOutputError("; ".join(problems))
@@ -64,7 +59,7 @@ def prepare(run: RunDir, exp: Experiment, iteration: int, stage: str, overrides:
     replay = RunDir.at(root)
     root.mkdir(parents=True, exist_ok=True)
     replay.config_path.write_text("# Replay config (written by hpcrl replay).\n" + config.dumps(replay_exp))
-    for k, s in inputs_of(stage, iteration):
+    for k, s in plan.inputs(exp, iteration, stage):
         link = replay.stage_dir(k, s)
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(run.stage_dir(k, s), target_is_directory=True)

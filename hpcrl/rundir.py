@@ -24,6 +24,7 @@ import fcntl
 import json
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,17 +130,19 @@ class RunDir:
         versions = [k + 1 for k in self.iterations_present() if self.has_policy(k + 1)]
         return max(versions, default=0)
 
-    def rollback(self) -> list[Path]:
-        """Move aside every committed stage that depends on a policy version that was not saved
-        (a resident run that stopped between checkpoints), so the run continues from the latest
-        saved version. Returns the moved directories' new paths."""
-        v = self.latest_saved_version()
+    def rollback(self, version: int | None = None,
+                 policy_of: Callable[[int], int] = lambda k: k) -> list[Path]:
+        """Move aside every committed stage that depends on a policy version after `version`
+        (default: the latest saved; a resident run that stopped between checkpoints), so the run
+        continues from `version`: each iteration whose generation sampled with a later version
+        (`policy_of`), and each update from `version` on. Returns the moved directories' new paths."""
+        v = self.latest_saved_version() if version is None else version
         moved = []
         stamp = _stamp()
         for k in self.iterations_present():
-            if k > v:
+            if policy_of(k) > v:
                 targets = [self.iteration_dir(k)]
-            elif k == v:
+            elif k >= v:
                 targets = [self.stage_dir(k, UPDATE)]
             else:
                 continue

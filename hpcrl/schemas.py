@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # v2: rollouts gained `round` and `kept` (dynamic sampling, hpcrl/dynamic_sampling.py), the update
 # its PPO columns (token advantages, values, returns, critic stats). Readers take v1 rollouts, which
 # lack `round` and `kept`, as round 0 with every training row kept.
 # v3: the update's stats gained the mixture-of-experts routing columns (hpcrl/moe.py; null for a
 # dense model). No reader needs them: v2 stats read as before.
+# v4: the update's stats gained the off-policy correction's columns (asynchronous generation,
+# algorithm.max_staleness; null without the correction). No reader needs them: v3 stats read as before.
 
 # The key of one sample across the generate, score and update outputs.
 SAMPLE_KEYS = ("split", "prompt_index", "sample_index")
@@ -96,6 +98,11 @@ UPDATE_STATS = pa.schema(
         pa.field("moe_load_max", pa.float64()),
         pa.field("moe_load_min", pa.float64()),
         pa.field("moe_aux_loss", pa.float64()),
+        # the off-policy correction of stale samples only (hpcrl.losses.behaviour_weight; null otherwise):
+        # the truncated weight min(pi_old / pi_sampler, cap) per token, and the share the cap truncated
+        pa.field("off_policy_weight_mean", pa.float64()),
+        pa.field("off_policy_weight_max", pa.float64()),
+        pa.field("off_policy_clipfrac", pa.float64()),
     ]
 )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import subprocess
 
-FIELDS = ("JobID", "State", "Submit", "Start", "Elapsed", "NodeList", "NNodes", "AllocTRES")
+FIELDS = ("JobID", "State", "Submit", "Start", "Elapsed", "NodeList", "NNodes", "AllocTRES", "Eligible")
 
 
 def _seconds(a: str, b: str) -> str:

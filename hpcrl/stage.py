@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from hpcrl import commit, config, requeue, stage_kinds
+from hpcrl import commit, config, requeue, stage_kinds, utilisation
 from hpcrl.rundir import RunDir
 
 PROCESS_STARTED = time.time()
@@ -159,8 +159,13 @@ class OpenStage:
         try:
             self._sync(None)  # every rank has written its part
             ctx.timings["total"] = self._busy
+            allocated = utilisation.clock().take()  # since this process's previous stage (or its start)
+            ranks = utilisation.stage_ranks(self.world_size)  # collective: the devices each rank holds
             if self.rank != 0:
                 return None
+            executor = ctx.exp.executor
+            use = utilisation.record(self.stage, executor.mode, ctx.timings, allocated, ranks,
+                                     None if executor.kind == "slurm" else 0.0)  # Slurm's: from sacct
             self.manifest = commit.commit(self.out, ctx.writer, {
                 "stage": self.stage,
                 "iteration": self.iteration,
@@ -174,6 +179,7 @@ class OpenStage:
                 "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
                 "world_size": self.world_size,
                 "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
+                "utilisation": use,
             })
         finally:
             self.close()
@@ -229,12 +235,17 @@ class Stage(ABC):
     def close(self) -> None:  # noqa: B027  (an optional hook)
         """Release what `setup` started (worker processes); the resident loop calls it at the end."""
 
+    def version_for(self, iteration: int) -> int:
+        """The policy version the stage of `iteration` works with: the one after `iteration`
+        updates (the generate stage samples with hpcrl.plan.policy_version's, older with staleness)."""
+        return iteration
+
     def job(self, ctx: StageContext) -> None:
         """A stage job's whole work: set up for the iteration, then run it."""
         with ctx.timed("startup"):
             self.startup()
         with ctx.timed("load"):
-            self.setup(ctx.iteration, ctx.seed)  # iteration k works with the policy after k updates
+            self.setup(self.version_for(ctx.iteration), ctx.seed)
         self.run(ctx)
 
 

@@ -26,10 +26,16 @@ class Kind:
     reads: tuple[tuple[int, str], ...] = ()  # (iteration offset, kind) of the committed outputs it reads
     on_trainers: bool = False  # runs on update.world_size ranks (one task each); else on one task
     short: str = ""  # its column title in status tables
+    samples_policy: bool = False  # reads the update that made the policy it samples with (hpcrl.plan)
 
-    def inputs(self, iteration: int) -> list[tuple[int, str]]:
-        """The (iteration, kind) stage outputs the stage of `iteration` reads."""
-        return [(iteration + offset, kind) for offset, kind in self.reads if iteration + offset >= 0]
+    def inputs(self, iteration: int, version: int | None = None) -> list[tuple[int, str]]:
+        """The (iteration, kind) stage outputs the stage of `iteration` reads; a stage that samples
+        with policy `version` (default: `iteration`, lock-step) also reads the update that made it."""
+        out = [(iteration + offset, kind) for offset, kind in self.reads if iteration + offset >= 0]
+        version = iteration if version is None else version
+        if self.samples_policy and version > 0:
+            out.append((version - 1, UPDATE))
+        return out
 
     def stage_class(self) -> type:
         module, name = self.home.split(":")
@@ -49,7 +55,7 @@ def register(kind: Kind) -> Kind:
     return kind
 
 
-register(Kind(GENERATE, "hpcrl.generation:GenerateStage", reads=((-1, UPDATE),), short="gen"))
+register(Kind(GENERATE, "hpcrl.generation:GenerateStage", samples_policy=True, short="gen"))
 register(Kind(SCORE, "hpcrl.scoring:ScoreStage", reads=((0, GENERATE),), short="score"))
 register(Kind(UPDATE, "hpcrl.update:UpdateStage", reads=((0, GENERATE), (0, SCORE), (-1, UPDATE)),
               on_trainers=True, short="update"))

@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path, PurePosixPath
 
-from hpcrl import config
+from hpcrl import config, utilisation
 from hpcrl.config import Experiment
 from hpcrl.rundir import RunDir
 
@@ -33,12 +33,23 @@ def tracking_uri(exp: Experiment) -> str:
 
 
 def stage_metrics(stage: str, manifest: dict) -> dict[str, float]:
-    """Metrics of one committed stage under verl-style names."""
+    """Metrics of one committed stage under verl-style names, and its device utilisation under
+    `util/<stage>/...` (busy, allocated, idle device-seconds; hpcrl.utilisation)."""
     out = {k: float(v) for k, v in manifest["metrics"].items()}
     timings = manifest.get("timings", {})
     if "total" in timings:
         out[f"timing_s/{stage}"] = float(timings["total"])
+    for usage in utilisation.by_role([manifest]).values():  # none for a stage that recorded none
+        out.update(utilisation.metrics({stage: usage}))
     return out
+
+
+def iteration_utilisation(run: RunDir, k: int) -> dict[str, float]:
+    """Each role's utilisation in iteration k: `util/<role>/...` (a role may run several stages)."""
+    from hpcrl import commit
+    from hpcrl.stage_kinds import ORDER
+
+    return utilisation.metrics(utilisation.by_role(commit.read_manifest(run.stage_dir(k, s)) for s in ORDER))
 
 
 def _sqlite_path(uri: str) -> Path | None:
@@ -162,10 +173,18 @@ class Tracker:
 
         self._guard(lambda: self.client.log_table(self.run_id, pd.DataFrame(rows), artifact_file))
 
+    def log_utilisation(self, run: RunDir, k: int) -> None:
+        """Each role's utilisation in iteration k, once all its stages are committed (step k)."""
+        if self.enabled:
+            self.log_metrics(iteration_utilisation(run, k), step=k)
+
     def log_plots(self, run: RunDir, exp: Experiment) -> None:
-        """Write the run's figures under RUN/plots and log them as artifacts (plots/)."""
+        """Write the run's figures under RUN/plots and log them as artifacts (plots/); log the run's
+        utilisation so far (`util/run/...`, step: the last iteration present)."""
         if not self.enabled:
             return
+        if manifests := utilisation.run_manifests(run):
+            self.log_metrics(utilisation.run_metrics(manifests), step=max(m["iteration"] for m in manifests))
         from hpcrl.plots import write_plots
 
         paths = write_plots(run, exp, run.root / "plots")

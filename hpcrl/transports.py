@@ -198,3 +198,21 @@ class FilesystemTransport(Transport):
 
     def receive(self, handoff: Handoff) -> Iterator[Named]:
         return weight_sync.FilesystemSync(Path(handoff.path)).receive()
+
+
+@register("saved")
+class SavedPolicyTransport(Transport):
+    """A saved policy version's HF folder, read by the load side (a resumed asynchronous run whose
+    next generations sample with versions older than the trainers'); nothing sends through it."""
+
+    def send(self, tensors: Iterable[Named]) -> Handoff:
+        raise NotImplementedError("a saved policy is read from the run directory, never sent")
+
+    def receive(self, handoff: Handoff) -> Iterator[Named]:
+        from safetensors.torch import load_file
+
+        files = sorted(Path(handoff.path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{handoff.path}: no safetensors weights")
+        for f in files:
+            yield from load_file(str(f)).items()

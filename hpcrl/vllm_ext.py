@@ -13,6 +13,7 @@ layer as it is, logging that at debug level only).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 
 class WeightReceiver:
@@ -31,13 +32,19 @@ class WeightReceiver:
 
     def hpcrl_load_weights(self, handoff: dict) -> dict:
         """Receive one full set of weights (hpcrl.transports.Handoff) and load it in place."""
+        from hpcrl import transports
         from hpcrl.transports import Handoff
 
         t0 = time.perf_counter()
         received = {"bytes": 0, "tensors": 0}
 
+        handoff = Handoff(**handoff)
+        transport = self._hpcrl_transport
+        if handoff.transport != transport.name:  # another source (a saved version) of this one load
+            transport = transports.make(replace(transport.setup, transport=handoff.transport))
+
         def stream():
-            for name, tensor in self._hpcrl_transport.receive(Handoff(**handoff)):
+            for name, tensor in transport.receive(handoff):
                 received["bytes"] += tensor.numel() * tensor.element_size()
                 received["tensors"] += 1
                 yield name, tensor

@@ -201,7 +201,9 @@ def commit_update(run: RunDir, exp: Experiment, k: int, rollouts: pa.Table, scor
         "grad_norm": 1 + 2 * rng.random(steps),
         "lr": np.full(steps, exp.update.lr), "tokens": np.full(steps, 1000, np.int64),
         **{c: pa.nulls(steps, pa.float64()) for c in ("vf_loss", "vf_clipfrac", "vf_grad_norm",
-                                                      "moe_load_max", "moe_load_min", "moe_aux_loss")},
+                                                      "moe_load_max", "moe_load_min", "moe_aux_loss",
+                                                      "off_policy_weight_mean", "off_policy_weight_max",
+                                                      "off_policy_clipfrac")},
         "expert_load": pa.nulls(steps, pa.list_(pa.list_(pa.float64())))})
     n = train.num_rows
     advantages = pa.table({**{c: train[c] for c in schemas.SAMPLE_KEYS}, "advantage": adv,

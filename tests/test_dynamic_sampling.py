@@ -118,7 +118,8 @@ def _tables(kept: list[bool] | None):
     rollouts = {"split": ["train"] * 4 + ["val"] * 2,
                 "prompt_index": pa.array([4, 4, 5, 5, 0, 1], pa.int64()),
                 "sample_index": pa.array([0, 1, 0, 1, 0, 0], pa.int32()),
-                "prompt_ids": [[1]] * n, "response_ids": [[2, 3]] * n, "logprobs": [[-0.1, -0.2]] * n}
+                "prompt_ids": [[1]] * n, "response_ids": [[2, 3]] * n, "logprobs": [[-0.1, -0.2]] * n,
+                "policy_version": pa.array([0] * n, pa.int32())}
     if kept is not None:
         rollouts["kept"] = kept
     scores = {"split": rollouts["split"], "prompt_index": rollouts["prompt_index"],

@@ -51,7 +51,7 @@ def test_weights_streamed_into_vllm_match_the_trainer_and_a_skipped_sync_is_caug
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from hpcrl import checkpoint_view, generation, resident, transports
+    from hpcrl import checkpoint_view, generation, resident_sync, transports
     from hpcrl.distributed import free_port
 
     exp = config.load(write_experiment())
@@ -63,7 +63,7 @@ def test_weights_streamed_into_vllm_match_the_trainer_and_a_skipped_sync_is_caug
     with torch.no_grad():  # "an update": every parameter moves
         for p in trained.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.02)
-    probe = resident.probe_sequences(exp, llm.get_tokenizer())
+    probe = resident_sync.probe_sequences(exp, llm.get_tokenizer())
     old, new = _hf_logprobs(base, probe), _hf_logprobs(trained, probe)
 
     # No sync: the engine still has the old weights, and the probe check says so.
@@ -237,7 +237,7 @@ def test_a_failed_background_commit_stops_every_task_and_commits_nothing(tmp_pat
     """The update's commit runs in a thread while the generator samples: if it fails (a full
     disk), the failure flag stops every task (their monitors read it), the trainer's next command
     raises, and the update is left uncommitted for `hpcrl resume` to redo."""
-    from hpcrl.resident import Trainer
+    from hpcrl.resident_trainer import Trainer
     from hpcrl.stage import OpenStage
     from tests.synthetic_run import write_config
 

@@ -46,12 +46,13 @@ def _sacct(job_ids, fields="JobID,JobName,Partition,AllocCPUS,State,NodeList") -
     return [dict(zip(fields.split(","), line.split("|"), strict=True)) for line in out.splitlines()]
 
 
-def _sacct_ended(job_ids, timeout: float = 120) -> list[dict]:
+def _sacct_ended(job_ids, timeout: float = 120,
+                 fields: str = "JobID,JobName,Partition,AllocCPUS,State,NodeList") -> list[dict]:
     """sacct's rows once no job is pending or running: a stage commits its output before its job
     process has exited, so a complete run can still show its last stage's job RUNNING."""
     deadline = time.time() + timeout
     while True:
-        rows = _sacct(job_ids)
+        rows = _sacct(job_ids, fields)
         if time.time() > deadline or not any(r["State"] in ("PENDING", "RUNNING", "COMPLETING")
                                              for r in rows):
             return rows
@@ -264,3 +265,31 @@ def test_resident_sbatch_script_submitted_by_hand_runs_the_whole_run(tmp_path, t
     subprocess.run(["sbatch", str(tmp_path / "resident.sbatch")], check=True, cwd=tmp_path,
                    capture_output=True)
     _wait_complete(RunDir.at(tmp_path / "runs" / "byhand-resident"), timeout=600)
+
+
+def test_staged_async_run_overlaps_a_generation_with_the_update_before_it(tmp_path, tiny_task):
+    """Issue #18: with algorithm.max_staleness = 1 the generate job of iteration k + 1 depends on
+    update k - 1 only, so Slurm runs it beside update k (sacct's start and end times). pins: jobs
+    chained behind the previous one, as lock-step needs."""
+    from datetime import datetime
+
+    path = _write(tmp_path, tiny_task, "async", executor={**SLURM, "lookahead": 3},
+                  algorithm={"group_size": 4, "prompts_per_iteration": 8, "max_staleness": 1},
+                  run={"iterations": 3, "eval_every": 0})
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    run = RunDir.at(tmp_path / "runs" / "async")
+    _wait_complete(run)
+    jobs = {(j["iteration"], j["role"]): j["job_id"] for j in run.jobs() if j["role"] != "controller"}
+    rows = {r["JobID"]: r for r in _sacct_ended(list(jobs.values()), fields="JobID,State,Start,End")}
+    times = {key: [datetime.fromisoformat(rows[job][t]) for t in ("Start", "End")]
+             for key, job in jobs.items()}
+    for job in jobs.values():
+        assert rows[job]["State"] == "COMPLETED", rows[job]
+    overlaps = [k for k in range(2)
+                if times[(k + 1, "generate")][0] < times[(k, "update")][1]
+                and times[(k, "update")][0] < times[(k + 1, "generate")][1]]
+    assert overlaps, times
+    for k in range(2):  # and never before its own input
+        assert times[(k, "update")][1] <= times[(k + 2, "generate")][0]

@@ -237,7 +237,7 @@ def test_the_float32_probe_tolerance_catches_weights_delivered_in_bfloat16(tiny_
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import tests.conftest as c
-    from hpcrl import config, resident
+    from hpcrl import config, resident_sync
     from hpcrl.weight_sync import WeightSyncError, check_probe, probe_tolerance
 
     path = tmp_path / "e.toml"
@@ -245,7 +245,7 @@ def test_the_float32_probe_tolerance_catches_weights_delivered_in_bfloat16(tiny_
     exp = config.load(path)
     assert exp.model.dtype == "float32"
     model = AutoModelForCausalLM.from_pretrained(tiny_task / "model", dtype=torch.float32).eval()
-    probe = resident.probe_sequences(exp, AutoTokenizer.from_pretrained(tiny_task / "model"))
+    probe = resident_sync.probe_sequences(exp, AutoTokenizer.from_pretrained(tiny_task / "model"))
     trainer = _logprobs(model, probe)
     rounded = copy.deepcopy(model)
     with torch.no_grad():

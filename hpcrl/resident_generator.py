@@ -1,0 +1,178 @@
+"""The generator task of the resident job (hpcrl.resident): the generate and score stage objects
+(the vLLM engine, the reward workers) kept for the run, and the loop over the run's stages.
+
+It walks the plan (hpcrl.plan) and runs each stage through hpcrl.stage.run_stage; an update it
+commands to the trainers (hpcrl.resident_trainer) and goes on. With algorithm.max_staleness = s
+the generations of the next s iterations run while the trainers update: the engine loads an
+update's weights only when a generation needs that version (between two generations, so no
+sample mixes versions), and a generation commits only once the update that made its policy has.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+
+from hpcrl import commit, plan, resident_sync, transports, weight_sync
+from hpcrl.config import Experiment
+from hpcrl.roles import ControlPlane
+from hpcrl.rundir import RunDir
+from hpcrl.stage import run_stage
+from hpcrl.stage_kinds import UPDATE
+
+
+class Generator:
+    """The generator task: the generate and score stage objects (vLLM engine, reward pool), and
+    the loop over the run's stages."""
+
+    def __init__(self, run: RunDir, exp: Experiment, plane: ControlPlane):
+        from hpcrl.generation import GenerateStage
+        from hpcrl.scoring import ScoreStage
+
+        self.run, self.exp, self.plane = run, exp, plane
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(key, None)  # vLLM sets up its own (single-process) distributed state
+        self.gen, self.score = GenerateStage(exp, run, resident=True), ScoreStage(exp, run, resident=True)
+        self.gen.startup()
+        self.sync = resident_sync.sync_setup(exp, run, plane, "generator", "trainer0")
+        self.base = run.latest_saved_version()  # the trainers start from it
+        self.gen.setup(self.base, exp.run.seed)
+        self.llm = self.gen.llm
+        self.llm.collective_rpc("hpcrl_open_sync", args=(self.sync.as_dict(), 0))
+        print(f"[resident] weights reach vLLM through {self.sync.transport.replace('_', ' ')}", flush=True)
+        self.score.setup(self.gen.version, exp.run.seed)
+        self.gen.pool = self.score.pool  # dynamic sampling scores its rounds on the same workers
+        self.probe = resident_sync.probe_sequences(exp, self.llm.get_tokenizer())
+        self.inflight: collections.deque[tuple[int, int]] = collections.deque()  # (update, command seq)
+        self.started: set[int] = set()  # the updates this job commanded
+        self.uncommitted: set[int] = set()  # those whose commit it has not seen yet
+
+    def drive(self) -> None:
+        stages = {s.name: s for s in (self.gen, self.score)}  # the update runs on the trainers
+        try:
+            self._check_agreement()
+            while (nxt := self._next_stage()) is not None:
+                k, name = nxt
+                if name not in stages:
+                    self._start_update(k)
+                    continue
+                if name == self.gen.name:
+                    self._hold(plan.policy_version(self.exp, k))
+                run_stage(name, self.run.root, k, stages[name].run, startup=0.0)
+            while self.inflight:
+                self._finish_update()
+            self._await_commit(*sorted(self.uncommitted))
+        finally:
+            self.score.close()
+        self.plane.send({"op": "stop"})
+        self.plane.stop_monitor()
+
+    def _check_agreement(self) -> None:
+        """Before any iteration: the trainer and vLLM, holding the same weights, must compute the
+        same probe logprobs (hpcrl.agreement.check_start)."""
+        from hpcrl import agreement, generation
+
+        reply = self.plane.wait_reply(self.plane.send({"op": "probe", "probe": self.probe}))
+        tol = weight_sync.probe_tolerance(self.exp.executor.resident.sync_check_tol, self.exp.model.dtype)
+        metrics = agreement.check_start(generation.sequence_logprobs(self.llm, self.probe), reply["logprobs"],
+                                        tol, reply["attn_implementation"], self.exp.model.path)
+        print(f"[resident] trainer and vLLM agree on the probe: {metrics['sync/start_logp_diff']:.1e} "
+              f"(tolerance {tol:.0e})", flush=True)
+        self.gen.metrics = metrics  # in the next generation's manifest
+        self.noise = metrics["sync/start_logp_diff"]  # what the probe cannot resolve (check_probe)
+
+    def _next_stage(self) -> tuple[int, str] | None:
+        """The next stage to run: the first uncommitted one, but for the updates already commanded."""
+        pending = [(k, s) for k, s in plan.pending_stages(self.run, self.exp)
+                   if not (s == UPDATE and k in self.started)]
+        return pending[0] if pending else None
+
+    def _hold(self, version: int) -> None:
+        """The engine holds policy `version` for the next generation: the updates in flight up to
+        it finished (their weights loaded, in order), and the generation commits only once the
+        update that made it has (`generate`'s await_policy)."""
+        if version <= self.base:  # a resumed run's first generations: saved versions, from disk
+            self._load_saved(version)
+        while self.gen.version < version and self.inflight:
+            self._finish_update()
+        if self.gen.version != version:
+            raise RuntimeError(f"the generation needs policy version {version}; the engine holds "
+                               f"{self.gen.version} and no update in flight makes it")
+        made_by = version - 1
+        self.gen.await_policy = (lambda: self._await_commit(made_by)) if made_by in self.uncommitted else None
+
+    def _await_commit(self, *updates: int) -> None:
+        """Until the trainers have committed these updates (the ones this job commanded)."""
+        for k in updates:
+            self.plane.wait_signal(f"committed/{k}")
+            self.uncommitted.discard(k)
+
+    def _start_update(self, k: int) -> None:
+        """Command the update of iteration k; with max_staleness > 0 the next generations run while
+        the trainers update (its weights are loaded when a generation needs them: `_hold`)."""
+        if self._colocated():  # free vLLM's GPU memory (weights and KV cache) for the update
+            self.llm.sleep(level=2)
+        seq = self.plane.send({"op": UPDATE, "iteration": k, "probe": self.probe,
+                               "checkpoint": resident_sync.checkpoint_due(self.exp, k)})
+        self.inflight.append((k, seq))
+        self.started.add(k)
+        self.uncommitted.add(k)
+
+    def _colocated(self) -> bool:
+        return self.exp.executor.resident.colocate and resident_sync.backend() == "nccl"
+
+    def _finish_update(self) -> None:
+        """The oldest update in flight: its weights into the engine, then the probe check."""
+        k, seq = self.inflight.popleft()
+        self._load_saved(k)  # the update's own starting point (only a resumed run's engine lacks it)
+        self.plane.signal(f"receive/{k}")  # trainer 0 sends only now: no collective waits on a generation
+        # through the update on the control plane: vLLM's weights stay asleep, and its receive is
+        # posted only when trainer 0 sends (not under the NCCL watchdog for the whole update)
+        self.plane.wait_signal(f"sending/{k}")
+        colocate = self._colocated()
+        if colocate:
+            self.llm.wake_up(tags=["weights"])
+        reply, sync_s = self._load_weights(seq)
+        if colocate:
+            self.llm.wake_up(tags=["kv_cache"])
+        self.llm.reset_prefix_cache()
+        self.gen.version = k + 1
+        if not resident_sync.commits_behind(self.exp):
+            self._await_commit(k)
+        from hpcrl import generation
+
+        t0 = time.perf_counter()
+        engine_lp = generation.sequence_logprobs(self.llm, self.probe)
+        tol = weight_sync.probe_tolerance(self.exp.executor.resident.sync_check_tol, self.exp.model.dtype)
+        metrics = weight_sync.check_probe(engine_lp, reply["probe_new"], reply["probe_old"], tol,
+                                          version=k + 1, noise=getattr(self, "noise", None))
+        metrics["sync/probe_s"] = time.perf_counter() - t0
+        nbytes = float(reply["handoff"]["bytes"])
+        self.gen.metrics = {**metrics, "sync/seconds": sync_s, "sync/bytes": nbytes,
+                            "sync/gb_per_s": nbytes / max(sync_s, 1e-9) / 1e9}
+
+    def _load_saved(self, version: int) -> None:
+        """The engine set to saved policy `version` (read from the run directory), unless it holds it."""
+        if self.gen.version == version:
+            return
+        path = commit.verified(self.run.policy_dir(version, self.exp.model.path))
+        handoff = transports.Handoff("saved", path=str(path))
+        self.llm.collective_rpc("hpcrl_load_weights", args=(handoff.as_dict(),))
+        self.llm.reset_prefix_cache()
+        self.gen.version, self.gen.metrics = version, {}
+        print(f"[resident] the engine loaded the saved policy version {version} from {path}", flush=True)
+
+    def _load_weights(self, seq: int) -> tuple[dict, float]:
+        """The trainer's reply to update command `seq`, once the engine holds the new weights, and
+        the sync's seconds: trainer 0's gather and send, plus what the load side adds after it."""
+        if transports.TRANSPORTS[self.sync.transport].streams:  # loaded as the buckets arrive
+            self.llm.collective_rpc("hpcrl_load_weights",
+                                    args=(transports.Handoff(self.sync.transport).as_dict(),))
+            t0 = time.perf_counter()
+            reply = self.plane.wait_reply(seq)
+        else:
+            reply = self.plane.wait_reply(seq)
+            t0 = time.perf_counter()
+            self.llm.collective_rpc("hpcrl_load_weights", args=(reply["handoff"],))
+        return reply, reply["send_s"] + time.perf_counter() - t0

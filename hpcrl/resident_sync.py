@@ -1,0 +1,59 @@
+"""What the resident job's roles agree on: the weight sync between trainer 0 and the generator,
+the probe both score after each sync, when an update saves a checkpoint and when it commits."""
+
+from __future__ import annotations
+
+import os
+
+from hpcrl import transports
+from hpcrl.config import Experiment
+from hpcrl.roles import ControlPlane
+from hpcrl.rundir import RunDir
+
+PROBE_PROMPTS = 4
+
+
+def checkpoint_due(exp: Experiment, iteration: int) -> bool:
+    """Whether the update of `iteration` saves the policy and trainer state."""
+    every = exp.executor.resident.checkpoint_every
+    return (iteration + 1) % every == 0 or iteration + 1 == exp.run.iterations
+
+
+def commits_behind(exp: Experiment) -> bool:
+    """Whether the trainers commit an update (and its checkpoint) after sending its weights, while
+    the generator samples (`executor.resident.overlap_commit`, lock-step only); with
+    max_staleness > 0 they commit before, while the generator is still busy with its generation."""
+    return exp.executor.resident.overlap_commit and exp.algorithm.max_staleness == 0
+
+
+def probe_sequences(exp: Experiment, tokenizer) -> list[list[int]]:
+    """Fixed token sequences (the first training prompts and their answers) both sides score."""
+    from hpcrl import data
+
+    prompts = data.prompt_set(exp, "train", tokenizer).table
+    out = []
+    for i in range(min(PROBE_PROMPTS, prompts.num_rows)):
+        text = data.render(tokenizer, prompts["prompt"][i].as_py()) + str(prompts["ground_truth"][i].as_py())
+        out.append(tokenizer(text)["input_ids"][: exp.model.max_model_len])
+    return out
+
+
+def sync_setup(exp: Experiment, run: RunDir, plane: ControlPlane, me: str,
+                peer: str) -> transports.SyncSetup:
+    """The weight sync both ends agree on (hpcrl.transports), from where trainer 0 and the generator run."""
+    here = os.environ.get("SLURMD_NODENAME") or os.uname().nodename  # Slurm's node name, else the host's
+    plane.put(plane.store, f"host/{me}", here)
+    hosts = {me: here, peer: plane.wait_for(f"host/{peer}")}
+    r = exp.executor.resident
+    name = transports.choose(r.weight_sync, hosts["trainer0"], hosts["generator"], backend() == "nccl")
+    return transports.SyncSetup(name, plane.host, plane.port, engines=1,
+                                tp=exp.generate.tensor_parallel_size, timeout_s=r.collective_timeout_s,
+                                bucket_bytes=int(r.sync_bucket_mb * (1 << 20)), backend=backend(),
+                                directory=str(run.root / "resident" / "weights"))
+
+
+def backend() -> str:
+    """The weight sync's backend (it moves the trainer's device tensors)."""
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"

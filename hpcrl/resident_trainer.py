@@ -1,0 +1,121 @@
+"""A trainer rank of the resident job (hpcrl.resident): it keeps the update stage object (a live
+DeepSpeed engine) for the run, updates on the generator's command, hands the new weights to the
+generator's vLLM when it asks for them, and commits each update (with its checkpoint when due)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+import traceback
+
+from hpcrl import distributed, resident_sync, transports
+from hpcrl.config import Experiment
+from hpcrl.roles import ControlPlane
+from hpcrl.rundir import RunDir
+from hpcrl.stage import OpenStage
+from hpcrl.stage_kinds import UPDATE
+
+
+class Trainer:
+    """A trainer rank: waits for update commands, updates, commits, and streams the weights."""
+
+    def __init__(self, run: RunDir, exp: Experiment, plane: ControlPlane, rank: int):
+        import torch
+        import torch.distributed as dist
+
+        from hpcrl.update import UpdateStage
+
+        self.run, self.exp, self.plane, self.rank = run, exp, plane, rank
+        setup = resident_sync.sync_setup(exp, run, plane, "trainer0", "generator") if rank == 0 else None
+        world = exp.update.world_size
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(distributed.default_backend(torch.cuda.is_available()),
+                                store=dist.PrefixStore("trainers", plane.store), rank=rank, world_size=world)
+        self.stage = UpdateStage(exp, run, rank, world, resident=True)
+        self.stage.setup(run.latest_saved_version())
+        self.actor = self.stage.actor
+        self.last_probe = None
+        self.committer: threading.Thread | None = None
+        self.commit_error: BaseException | None = None
+        self.sync = transports.make(setup) if setup is not None else None
+        if self.sync is not None:
+            device = str(self.actor.engine.device) if resident_sync.backend() == "nccl" else "cpu"
+            self.sync.open_sender(plane.store, device)
+
+    def serve(self) -> None:
+        import torch.distributed as dist
+
+        while True:
+            cmd = self.plane.receive()
+            self._await_commit()  # the previous update's commit ends before any new collective
+            if cmd["op"] == "stop":
+                break
+            if cmd["op"] == "probe":  # before the first iteration (hpcrl.agreement)
+                self.last_probe = self.actor.sequence_logprobs(cmd["probe"])
+                if self.rank == 0:
+                    self.plane.reply({"logprobs": self.last_probe,
+                                      "attn_implementation": self.actor.attn_implementation})
+                continue
+            self._update(cmd["iteration"], cmd["checkpoint"], cmd["probe"])
+        dist.destroy_process_group()
+
+    def _update(self, k: int, checkpoint: bool, probe: list[list[int]]) -> None:
+        # the probe under the current weights: the previous update's "new", or computed once
+        old = self.last_probe if self.last_probe is not None else self.actor.sequence_logprobs(probe)
+        attempt = OpenStage(UPDATE, self.run.root, k, self.rank, self.exp.update.world_size, startup=0.0)
+        overlap = resident_sync.commits_behind(self.exp)
+        if attempt.ctx is not None:
+            attempt.run(self.stage.run)
+            if not overlap:
+                self._commit(attempt, k, checkpoint)
+        new = self.last_probe = self.actor.sequence_logprobs(probe)
+        reply = {"probe_old": old, "probe_new": new}
+        # every rank waits until the generator is between two generations (with max_staleness > 0
+        # that may be a whole generation away): no collective of the trainers is held meanwhile
+        self.plane.wait_signal(f"receive/{k}")
+        t0 = time.perf_counter()
+        weights = self.actor.checkpoint_weights()
+        if self.sync is not None:  # trainer 0 sends
+            self.plane.signal(f"sending/{k}")  # the generator wakes its weights and posts its receive now
+            reply["handoff"] = self.sync.send(weights).as_dict()
+        elif self.exp.update.zero_stage == 3:  # the others take part in each layer's gather
+            collections.deque(weights, maxlen=0)
+        reply["send_s"] = time.perf_counter() - t0
+        if self.rank == 0:
+            self.plane.reply(reply)
+        if attempt.ctx is None and self.rank == 0:  # committed by an earlier attempt
+            self.plane.signal(f"committed/{k}")
+        elif attempt.ctx is not None and overlap:
+            # the checkpoint and the commit run while the generator samples
+            self.committer = threading.Thread(target=self._commit_in_background,
+                                              args=(attempt, k, checkpoint), name="hpcrl-commit", daemon=True)
+            self.committer.start()
+
+    def _commit(self, attempt: OpenStage, k: int, checkpoint: bool) -> None:
+        """The update's outputs (with the policy and trainer state when due) committed; the
+        generator told, for the generation that records this update as its input."""
+        if checkpoint:
+            attempt.run(self.actor.save)
+        attempt.commit()
+        if self.rank == 0:
+            self.plane.signal(f"committed/{k}")
+
+    def _commit_in_background(self, attempt: OpenStage, k: int, checkpoint: bool) -> None:
+        try:
+            self._commit(attempt, k, checkpoint)
+        except BaseException as err:  # noqa: BLE001  (every task stops: the monitors read the flag)
+            self.commit_error = err
+            traceback.print_exc()
+            self.plane.fail(f"committing the update of iteration {k}: {type(err).__name__}: "
+                            f"{err}".splitlines()[0])
+
+    def _await_commit(self) -> None:
+        if self.committer is not None:
+            self.committer.join()
+            self.committer = None
+        if self.commit_error is not None:
+            raise RuntimeError("the previous update's commit failed") from self.commit_error

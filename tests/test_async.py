@@ -1,0 +1,219 @@
+"""Asynchronous generation with bounded staleness (algorithm.max_staleness = s): iteration k samples
+with policy version max(0, k - s), in both modes, with the same outputs; the staged controller
+queues each job behind its own inputs only; a run resumes from a version every pending stage can
+run from; the resident generator overlaps the update and loads each version between generations."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from hpcrl import commit, config, executors, plan
+from hpcrl.controller import Controller
+from hpcrl.rundir import RunDir
+from hpcrl.stage_kinds import GENERATE, SCORE, UPDATE
+
+TRAIN = (GENERATE, SCORE, UPDATE)
+
+
+def _exp(tmp_path, iterations: int = 4, staleness: int = 1):
+    from tests.synthetic_run import write_config
+
+    exp = write_config(tmp_path / "cfg", iterations, eval_every=0)
+    return config.with_overrides(exp, {"algorithm.max_staleness": str(staleness)}, "test")
+
+
+def test_iteration_k_samples_with_version_k_minus_s_and_reads_the_update_that_made_it(tmp_path):
+    """pins: a generate stage that samples with (or records as its input) the lock-step version."""
+    for s, versions in ((0, [0, 1, 2, 3, 4]), (1, [0, 0, 1, 2, 4]), (2, [0, 0, 0, 1, 4])):
+        exp = _exp(tmp_path, staleness=s)
+        # the final iteration trains nothing: it validates the final policy
+        assert [plan.policy_version(exp, k) for k in range(5)] == versions, s
+        assert plan.inputs(exp, 3, GENERATE) == ([(versions[3] - 1, UPDATE)] if versions[3] else [])
+        assert plan.inputs(exp, 3, UPDATE) == [(3, GENERATE), (3, SCORE), (2, UPDATE)]
+        assert plan.inputs(exp, 3, SCORE) == [(3, GENERATE)]
+
+
+def _run_with_policies(tmp_path, tiny_task, unsaved: set[int], absent: list[tuple[int, str]]) -> RunDir:
+    """A synthetic run of 4 iterations whose updates 0..2 are committed, with versions in `unsaved`
+    not saved (a resident run between checkpoints) and the stages in `absent` not committed."""
+    from tests.synthetic_run import make_run
+
+    run = make_run(tmp_path / "run", iterations=4, rows=16, eval_every=0, policy_from=tiny_task / "model")
+    for d in (run.stage_dir(3, UPDATE), run.iteration_dir(4)):
+        shutil.rmtree(d)
+    for version in unsaved:
+        shutil.rmtree(run.policy_dir(version, "") / "")
+    for k, stage in absent:
+        shutil.rmtree(run.stage_dir(k, stage))
+        if not any(run.iteration_dir(k).iterdir()):
+            run.iteration_dir(k).rmdir()
+    return run
+
+
+def test_a_run_resumes_from_a_version_its_pending_generations_can_sample_with(tmp_path, tiny_task):
+    """pins: a resume from the latest saved version when a pending generation needs an older,
+    unsaved one (it could never run), and a rollback that discards generations made with a
+    version the run keeps."""
+    exp = _exp(tmp_path)
+    run = _run_with_policies(tmp_path / "a", tiny_task, unsaved={2}, absent=[])
+    assert plan.resume_version(run, exp) == 3  # generate 3 (version 2) is committed already
+    assert plan.rollback(run, exp) == []
+    run = _run_with_policies(tmp_path / "b", tiny_task, unsaved={2}, absent=[(3, SCORE), (3, GENERATE)])
+    assert plan.resume_version(run, exp) == 1  # generate 3 needs version 2, which is gone
+    moved = {str(p.relative_to(run.root)).split(".")[0] for p in plan.rollback(run, exp)}
+    assert moved == {"iter_000001/update", "iter_000002/update"}
+    assert commit.is_committed(run.stage_dir(2, GENERATE))  # sampled with version 1: kept
+    assert run.latest_saved_version() == 1
+    assert plan.pending_stages(run, exp)[:2] == [(1, UPDATE), (2, UPDATE)]
+    # the last version unsaved: lock-step discards the generation made with it, s = 1 keeps it
+    lock_step = config.with_overrides(exp, {"algorithm.max_staleness": "0"}, "test")
+    for e, kept in ((lock_step, False), (exp, True)):
+        run = _run_with_policies(tmp_path / f"c{kept}", tiny_task, unsaved={3}, absent=[])
+        assert plan.resume_version(run, e) == 2
+        moved = {str(p.relative_to(run.root)).split(".")[0] for p in plan.rollback(run, e)}
+        assert moved == {"iter_000002/update"} | (set() if kept else {"iter_000003"})
+
+
+class _Job:
+    """A stage job that commits (its saved output put back) when polled."""
+
+    def __init__(self, stage, iteration, saved, run):
+        self.stage, self.iteration, self.job_id = stage, iteration, f"{stage}-{iteration}"
+        self.saved, self.run = saved, run
+
+    def done(self) -> bool:
+        target = self.run.stage_dir(self.iteration, self.stage)
+        if not target.exists():
+            shutil.move(self.saved / f"{self.iteration}-{self.stage}", target)
+        return True
+
+    def error(self):
+        return None
+
+
+class _Slurm:
+    lookahead = 3
+
+    def __init__(self, saved, run):
+        self.saved, self.run, self.after = saved, run, {}
+
+    def submit(self, stage, iteration, after=()):
+        self.after[(iteration, stage)] = {(j.iteration, j.stage) for j in after}
+        return _Job(stage, iteration, self.saved, self.run)
+
+
+def test_the_staged_controller_queues_a_generation_beside_the_update_before_it(tmp_path, monkeypatch,
+                                                                              tiny_task):
+    """pins: a controller that chains every job behind the previous one (no overlap on Slurm), or
+    lets a job start before one of its inputs."""
+    from tests.synthetic_run import make_run
+
+    run = make_run(tmp_path / "run", iterations=3, rows=16, eval_every=0, policy_from=tiny_task / "model")
+    exp = config.with_overrides(config.load(run.config_path), {"tracking.enabled": False,
+                                                               "algorithm.max_staleness": "1"}, "test")
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    for k, stage in reversed(plan.all_stages(exp)[3:]):
+        shutil.move(run.stage_dir(k, stage), saved / f"{k}-{stage}")
+    fake = _Slurm(saved, run)
+    monkeypatch.setattr(executors, "make", lambda run, exp: fake)
+    Controller(run, exp, echo=lambda line: None, show_progress=False).run_all()
+    assert fake.after[(1, GENERATE)] == set()  # version 0: nothing to wait for
+    assert fake.after[(1, UPDATE)] == {(1, GENERATE), (1, SCORE)}
+    assert fake.after[(2, GENERATE)] == set()  # version 1 (update 0, committed): runs beside update 1
+    assert fake.after[(2, UPDATE)] == {(2, GENERATE), (2, SCORE), (1, UPDATE)}
+    assert fake.after[(3, GENERATE)] == {(2, UPDATE)}  # the final validation: the final policy
+    assert not plan.pending_stages(run, exp)
+
+
+# -- end to end: real vLLM and DeepSpeed on the tiny task ------------------------------------------
+
+ASYNC = {"algorithm": {"group_size": 4, "prompts_per_iteration": 8, "max_staleness": 1},
+         "run": {"iterations": 2, "eval_every": 0}}
+RESIDENT = {"mode": "resident", "max_retries": 0,
+            "resident": {"stall_s": 5, "checkpoint_every": 2, "weight_sync": "shared_memory"}}
+
+
+def _submit(path, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path), *args],
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def staged_async(tmp_path_factory, tiny_task) -> RunDir:
+    from tests.conftest import experiment_toml
+
+    root = tmp_path_factory.mktemp("async")
+    path = root / "staged.toml"
+    path.write_text(experiment_toml(tiny_task, root / "runs", "staged", **ASYNC))
+    out = _submit(path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return RunDir.at(config.load(path).run_dir)
+
+
+def _same_outputs(a: RunDir, b: RunDir, exp) -> None:
+    for k, stage in plan.all_stages(exp):
+        for table in {GENERATE: ("rollouts",), SCORE: ("scores",), UPDATE: ("stats", "advantages")}[stage]:
+            ta, tb = (pq.read_table(r.stage_dir(k, stage) / f"{table}.parquet") for r in (a, b))
+            assert ta.equals(tb), (k, stage, table)
+
+
+def _checks(run: RunDir, exp) -> None:
+    """Each sample records the version it was made with; each generation names the update that
+    made its policy as its input."""
+    for k in range(exp.run.iterations + 1):
+        version = plan.policy_version(exp, k)
+        rollouts = pq.read_table(run.stage_dir(k, GENERATE) / "rollouts.parquet")
+        assert set(rollouts["policy_version"].to_pylist()) == {version}, k
+        inputs = commit.read_manifest(run.stage_dir(k, GENERATE))["inputs"]
+        assert list(inputs) == ([f"update@iter_{version - 1:06d}"] if version else []), k
+    assert [plan.policy_version(exp, k) for k in range(3)] == [0, 0, 2]
+
+
+def test_a_resident_async_run_commits_what_the_staged_one_does(staged_async, write_experiment):
+    """pins: a resident generator that loads a version before the generation that needs it (or
+    after), mixes versions in one generation, or waits for the update it could overlap."""
+    path = write_experiment("resident", executor=RESIDENT, **ASYNC)
+    out = _submit(path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    exp = config.load(path)
+    run = RunDir.at(exp.run_dir)
+    _checks(staged_async, exp)
+    _checks(run, exp)
+    _same_outputs(staged_async, run, exp)
+    synced = commit.read_manifest(run.stage_dir(2, GENERATE))["metrics"]
+    assert synced["sync/logp_diff"] < 1e-4 < synced["sync/update_shift"]
+
+
+def _kill_when_committed(proc: subprocess.Popen, stage_dir, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not commit.is_committed(stage_dir):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_a_resident_async_run_killed_and_resumed_commits_the_same_outputs(staged_async, write_experiment):
+    """pins: a resume that samples a pending generation with the trainers' (newer) version, or
+    that discards the generation made while the killed update ran."""
+    path = write_experiment("killed", executor=RESIDENT, **ASYNC)
+    exp = config.load(path)
+    run = RunDir.at(exp.run_dir)
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _kill_when_committed(proc, run.stage_dir(1, GENERATE))  # made with version 0 while update 0 ran
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "resume", str(run.root)], capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    _checks(run, exp)
+    _same_outputs(staged_async, run, exp)

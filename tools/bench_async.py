@@ -1,0 +1,107 @@
+#!/usr/bin/env python
+"""Asynchronous generation against lock-step, side by side in one run: the resident demo and a
+~100M-parameter CPU configuration at algorithm.max_staleness = 0, 1 and 2, with the trainer and
+the generator pinned to cores of their own (HPCRL_ROLE_CPUS), as each role owns its GPUs on a GPU
+node.
+
+    python tools/bench_async.py [--models demo,100m] [--staleness 0,1,2] [--iterations 6] [--repeats 1]
+
+Each run goes through the real controller and resident job (as `hpcrl submit`). The iteration time
+is the median wall time between the commits of consecutive updates over the steady iterations
+(1..N-2: iteration 0 includes the job's start, the last one saves the final checkpoint); samples
+per second = the update batch over it. Utilisation per role is busy / allocated device-seconds
+from the stages' manifests (hpcrl.utilisation) over the same iterations; "mean" is the
+device-weighted total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from hpcrl import commit, config, runs, utilisation
+from hpcrl.controller import Controller
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _bench_resident():
+    spec = importlib.util.spec_from_file_location("bench_resident", REPO / "tools" / "bench_resident.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def experiment(model: str, staleness: int, root: Path, iterations: int, tag: str) -> config.Experiment:
+    exp = config.load(REPO / "configs" / "demo.toml")
+    overrides = {"run.name": f"{model}-s{staleness}-{tag}", "run.runs_root": str(root),
+                 "run.iterations": iterations, "run.eval_every": 0, "data.test": "",
+                 "tracking.enabled": False,
+                 "executor.mode": "resident", "executor.resident.checkpoint_every": iterations,
+                 "algorithm.max_staleness": staleness}
+    if model == "100m":
+        path = _bench_resident().build_100m(REPO / ".cache" / "bench-100m")
+        overrides.update({"model.path": str(path), "algorithm.prompts_per_iteration": 8,
+                          "algorithm.group_size": 4, "generate.max_tokens": 16, "generate.kv_cache_gib": 0.5,
+                          "update.mini_batches": 1, "update.micro_batch_size": 32})
+    return config.with_overrides(exp, overrides, "bench")
+
+
+def measure(exp: config.Experiment) -> dict[str, float]:
+    run, _ = runs.prepare(exp, "bench")
+    Controller(run, exp, echo=lambda line: print("   ", line, file=sys.stderr), show_progress=False).run_all()
+    steady = range(1, exp.run.iterations - 1)
+    updates = [commit.read_manifest(run.stage_dir(k, "update")) for k in range(exp.run.iterations)]
+    wall = statistics.median(updates[k]["committed_at"] - updates[k - 1]["committed_at"] for k in steady)
+    batch = exp.algorithm.prompts_per_iteration * exp.algorithm.group_size
+    row = {"iteration": wall, "samples/s": batch / wall}
+    manifests = [commit.read_manifest(run.stage_dir(k, s)) for k in steady
+                 for s in ("generate", "score", "update")]
+    roles = utilisation.by_role(m for m in manifests if m)
+    for role, usage in (("generator", roles.get("generator")), ("trainer", roles.get("trainer")),
+                        ("mean", utilisation.total(roles))):
+        row[role] = usage.utilisation if usage is not None and usage.utilisation is not None else float("nan")
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="demo,100m", help="comma-separated: demo, 100m")
+    parser.add_argument("--staleness", default="0,1,2", help="comma-separated max_staleness values")
+    parser.add_argument("--iterations", type=int, default=6, help="iterations per run (>= 4)")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--cpus", default="trainer=0;generator=1", help="HPCRL_ROLE_CPUS for the runs")
+    args = parser.parse_args()
+    os.environ["HPCRL_ROLE_CPUS"] = args.cpus
+    levels = [int(s) for s in args.staleness.split(",")]
+    results: dict[tuple[str, int], list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="hpcrl-bench-async-") as tmp:
+        for model in args.models.split(","):
+            for r in range(args.repeats):
+                for s in levels if r % 2 == 0 else levels[::-1]:
+                    print(f"{model} max_staleness {s} repeat {r + 1}/{args.repeats}", file=sys.stderr)
+                    exp = experiment(model, s, Path(tmp), args.iterations, str(r))
+                    results.setdefault((model, s), []).append(measure(exp))
+    cols = ("iteration", "samples/s", "generator", "trainer", "mean")
+    print(f"median over iterations 1..{args.iterations - 2} and {args.repeats} repeat(s); roles pinned "
+          f"({args.cpus}); utilisation = busy / allocated device-seconds")
+    print("| model | max_staleness | iteration s | samples/s | util generator | util trainer | util mean "
+          "| samples/s vs s=0 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for model in args.models.split(","):
+        med = {s: {c: statistics.median(r[c] for r in results[(model, s)]) for c in cols} for s in levels}
+        for s in levels:
+            row = med[s]
+            base = med[levels[0]]["samples/s"]
+            print(f"| {model} | {s} | {row['iteration']:.2f} | {row['samples/s']:.1f} "
+                  f"| {row['generator']:.0%} | {row['trainer']:.0%} | {row['mean']:.0%} "
+                  f"| {row['samples/s'] / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
