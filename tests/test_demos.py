@@ -100,3 +100,20 @@ def test_ppo_demo_learns_the_task_and_its_critic_explains_more_and_more(tiny_tas
     first, last = sum(ev[:3]) / 3, sum(ev[-3:]) / 3
     assert last >= 0.3 and last - first >= 0.2, ev  # rising, and explaining a good part of the returns
     assert "critic/explained_variance" in out.splitlines()[-1]  # the summary line reports it
+
+
+@pytest.mark.parametrize("config", ["demo.toml", "demo-ppo.toml"])
+def test_the_demos_learn_with_asynchronous_generation(config, tiny_task, tmp_path):
+    """Issue #18: both demos with algorithm.max_staleness = 1 (each iteration samples with the policy
+    of one update before, corrected by the truncated importance weight) meet the acceptance above."""
+    exp, table, _ = run_demo(config, tiny_task, tmp_path, quiet=False, algorithm__max_staleness=1)
+    assert_learns(exp, table)
+    extra = ("rollout/staleness_mean", "actor/off_policy_weight_mean", "actor/off_policy_weight_max")
+    table = inspection.iteration_table(run_of(tmp_path), exp, extra)[: exp.run.iterations]
+    assert table["rollout/staleness_mean"].to_list() == [0.0] + [1.0] * (exp.run.iterations - 1)
+    weights = table["actor/off_policy_weight_mean"].to_list()
+    assert all(0.5 < w < 1.5 for w in weights), weights
+    assert max(table["actor/off_policy_weight_max"].to_list()) <= exp.algorithm.off_policy_cap
+    if exp.algorithm.name == "ppo":
+        ev = table["critic/explained_variance"].to_list()
+        assert sum(ev[-3:]) / 3 >= 0.3 and sum(ev[-3:]) / 3 - sum(ev[:3]) / 3 >= 0.2, ev

@@ -5,6 +5,7 @@ bit for bit. Retention is on (keep_last = 2, keep_trainer_states = 1), so a resu
 from the one trainer state retention left.
 
     python tools/chaos_resume.py [--kills 4] [--seed 0] [--iterations 3] [--mode staged|resident]
+                                 [--staleness 0] [--checkpoint-every 1]
 
 The kills are SIGKILLs of the whole process group of `hpcrl submit` / `hpcrl resume` (controller
 and stage jobs), each after a delay drawn uniformly from [--min-delay, --max-delay] seconds of the
@@ -47,12 +48,13 @@ def _in_flight(run: Path) -> str:
     return ", ".join(open_) or "between stages"
 
 
-def _config(root: Path, name: str, iterations: int, mode: str) -> Path:
-    sections = {"run": {"iterations": iterations, "eval_every": 0,
+def _config(root: Path, name: str, args: argparse.Namespace) -> Path:
+    sections = {"run": {"iterations": args.iterations, "eval_every": 0,
                         "retention": {"keep_last": 2, "keep_trainer_states": 1}},
+                "algorithm": {"group_size": 4, "prompts_per_iteration": 8, "max_staleness": args.staleness},
                 "data": {"test": ""}, "tracking": {"enabled": False}}
-    if mode == "resident":
-        sections["executor"] = {"mode": "resident", "resident": {"checkpoint_every": 1}}
+    if args.mode == "resident":
+        sections["executor"] = {"mode": "resident", "resident": {"checkpoint_every": args.checkpoint_every}}
     path = root / f"{name}.toml"
     path.write_text(experiment_toml(TINY, root / "runs", name, **sections))
     return path
@@ -95,17 +97,21 @@ def main() -> None:
     parser.add_argument("--mode", choices=["staged", "resident"], default="staged")
     parser.add_argument("--min-delay", type=float, default=5.0)
     parser.add_argument("--max-delay", type=float, default=60.0)
+    parser.add_argument("--staleness", type=int, default=0, help="algorithm.max_staleness")
+    parser.add_argument("--checkpoint-every", type=int, default=1,
+                        help="executor.resident.checkpoint_every (resident mode)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="hpcrl-chaos-") as tmp:
         root = Path(tmp)
-        reference = _config(root, "reference", args.iterations, args.mode)
+        reference = _config(root, "reference", args)
         if _start("submit", str(reference)).wait() != 0:
             raise SystemExit("the uninterrupted run failed")
-        killed = _config(root, "killed", args.iterations, args.mode)
+        killed = _config(root, "killed", args)
         moments = chaos(killed, root / "runs" / "killed", args.kills, rng, (args.min_delay, args.max_delay))
         differences = same_ending(root / "runs" / "reference", root / "runs" / "killed", args.iterations)
-    print(f"| kill | in flight |  ({args.mode}, {args.iterations} iterations, seed {args.seed})")
+    print(f"| kill | in flight |  ({args.mode}, {args.iterations} iterations, max_staleness "
+          f"{args.staleness}, seed {args.seed})")
     print("|---|---|")
     for i, moment in enumerate(moments, 1):
         print(f"| {i} | {moment} |")
