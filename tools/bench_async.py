@@ -4,12 +4,13 @@
 the generator pinned to cores of their own (HPCRL_ROLE_CPUS), as each role owns its GPUs on a GPU
 node.
 
-    python tools/bench_async.py [--models demo,100m] [--staleness 0,1,2] [--iterations 6] [--repeats 1]
+    python tools/bench_async.py [--models demo,100m] [--staleness 0,1,2] [--iterations 8] [--repeats 1]
 
 Each run goes through the real controller and resident job (as `hpcrl submit`). The iteration time
 is the median wall time between the commits of consecutive updates over the steady iterations
-(1..N-2: iteration 0 includes the job's start, the last one saves the final checkpoint); samples
-per second = the update batch over it. Utilisation per role is busy / allocated device-seconds
+(s+2..N-2: the earlier ones include the job's start and the first weight sync, which maps the
+shared buffer; the last one saves the final checkpoint); samples per second = the update batch
+over it. Utilisation per role is busy / allocated device-seconds
 from the stages' manifests (hpcrl.utilisation) over the same iterations; "mean" is the
 device-weighted total.
 """
@@ -55,7 +56,9 @@ def experiment(model: str, staleness: int, root: Path, iterations: int, tag: str
 def measure(exp: config.Experiment) -> dict[str, float]:
     run, _ = runs.prepare(exp, "bench")
     Controller(run, exp, echo=lambda line: print("   ", line, file=sys.stderr), show_progress=False).run_all()
-    steady = range(1, exp.run.iterations - 1)
+    # after the first weight sync (at iteration s + 1: it maps the shared buffer), before the last
+    # update (it saves the final checkpoint)
+    steady = range(exp.algorithm.max_staleness + 2, exp.run.iterations - 1)
     updates = [commit.read_manifest(run.stage_dir(k, "update")) for k in range(exp.run.iterations)]
     wall = statistics.median(updates[k]["committed_at"] - updates[k - 1]["committed_at"] for k in steady)
     batch = exp.algorithm.prompts_per_iteration * exp.algorithm.group_size
@@ -73,7 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="demo,100m", help="comma-separated: demo, 100m")
     parser.add_argument("--staleness", default="0,1,2", help="comma-separated max_staleness values")
-    parser.add_argument("--iterations", type=int, default=6, help="iterations per run (>= 4)")
+    parser.add_argument("--iterations", type=int, default=8, help="iterations per run (>= s + 4)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--cpus", default="trainer=0;generator=1", help="HPCRL_ROLE_CPUS for the runs")
     args = parser.parse_args()
@@ -88,7 +91,7 @@ def main() -> None:
                     exp = experiment(model, s, Path(tmp), args.iterations, str(r))
                     results.setdefault((model, s), []).append(measure(exp))
     cols = ("iteration", "samples/s", "generator", "trainer", "mean")
-    print(f"median over iterations 1..{args.iterations - 2} and {args.repeats} repeat(s); roles pinned "
+    print(f"median over iterations s+2..{args.iterations - 2} and {args.repeats} repeat(s); roles pinned "
           f"({args.cpus}); utilisation = busy / allocated device-seconds")
     print("| model | max_staleness | iteration s | samples/s | util generator | util trainer | util mean "
           "| samples/s vs s=0 |")
