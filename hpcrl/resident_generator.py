@@ -66,6 +66,7 @@ class Generator:
         finally:
             self.score.close()
         self.plane.send({"op": "stop"})
+        self.llm.collective_rpc("hpcrl_close_sync")
         self.plane.stop_monitor()
 
     def _check_agreement(self) -> None:

@@ -61,6 +61,8 @@ class Trainer:
                                       "attn_implementation": self.actor.attn_implementation})
                 continue
             self._update(cmd["iteration"], cmd["checkpoint"], cmd["probe"])
+        if self.sync is not None:
+            self.sync.close()
         dist.destroy_process_group()
 
     def _update(self, k: int, checkpoint: bool, probe: list[list[int]]) -> None:

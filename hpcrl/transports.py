@@ -93,6 +93,9 @@ class Transport(ABC):
                       device: str = "cpu") -> None:
         """A vLLM worker, once before the first load."""
 
+    def close(self) -> None:  # noqa: B027  (an optional hook)
+        """Release what `open_sender` or `open_receiver` made (each end, once, at the end of the run)."""
+
     @abstractmethod
     def send(self, tensors: Iterable[Named]) -> Handoff:
         """Trainer 0: the whole set of weights out, read from `tensors` as a stream (one layer's
@@ -162,6 +165,13 @@ class ProcessGroupTransport(Transport):
 
     def send(self, tensors: Iterable[Named]) -> Handoff:
         return Handoff(self.name, self.sync.send(tensors))
+
+    def close(self) -> None:
+        """Shut the group down: a process group left to the interpreter's exit warns, and NCCL's
+        may hang in its destructor."""
+        sync, self.sync = getattr(self, "sync", None), None
+        if sync is not None:
+            sync.pg.shutdown()
 
     def receive(self, handoff: Handoff) -> Iterator[Named]:
         return self.sync.receive()

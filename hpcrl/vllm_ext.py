@@ -30,6 +30,10 @@ class WeightReceiver:
         self._hpcrl_transport.open_receiver(engine, tp_rank, device)
         return self._hpcrl_transport.setup.layout.rank(engine, tp_rank)
 
+    def hpcrl_close_sync(self) -> None:
+        """Close the load side of the transport (at the end of the run)."""
+        self._hpcrl_transport.close()
+
     def hpcrl_load_weights(self, handoff: dict) -> dict:
         """Receive one full set of weights (hpcrl.transports.Handoff) and load it in place."""
         from hpcrl import transports

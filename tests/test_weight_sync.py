@@ -186,8 +186,9 @@ def test_each_transport_hands_over_bit_identical_tensors_through_the_interface(n
 def _tp_receiver(setup: dict, tp_rank: int, out) -> None:
     receiver = transports.make(setup)
     receiver.open_receiver(0, tp_rank)
-    got = receiver.receive(transports.Handoff("process_group"))
-    out.put((tp_rank, {k: _raw(v) for k, v in got}))
+    got = {k: _raw(v) for k, v in receiver.receive(transports.Handoff("process_group"))}
+    receiver.close()  # each end shuts its group down at the end of the run
+    out.put((tp_rank, got))
 
 
 def test_a_process_group_reaches_every_tensor_parallel_worker_of_an_engine():
@@ -210,6 +211,11 @@ def test_a_process_group_reaches_every_tensor_parallel_worker_of_an_engine():
     state = _state()
     sent = sender.send(state.items())
     got = dict(out.get(timeout=60) for _ in procs)
+    pg = sender.sync.pg
+    sender.close()
+    sender.close()  # once is enough
+    with pytest.raises(RuntimeError):  # the group is shut down
+        pg.broadcast(torch.zeros(1), 0).wait()
     for proc in procs:
         proc.join(timeout=30)
         assert proc.exitcode == 0
