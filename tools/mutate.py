@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LINKED = ("hpcrl", "stages", "tests", "tools", "configs", "docs", "README.md")  # what the tests read
+LINKED = ("hpcrl", "stages", "sbatch", "containers", "tests", "tools", "configs", "docs",
+          "README.md")  # what the tests read
 GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name: (modules, test files)
     "algorithms": (("advantages", "losses", "kl_control"), ("test_algorithms", "test_parity")),
     "batches": (("batches",), ("test_batches",)),
@@ -48,6 +49,14 @@ DEFAULT = ("algorithms", "dynamic_sampling", "config")  # fits 30 min on 2 cores
 KILLED = {1, 3}  # mutmut's exit codes (mutmut.stats.status_by_exit_code)
 SURVIVED = {0}
 TIMEOUT = {36, -24, 24, 152, 255}
+
+
+def plain_failures(root: Path, group: str, env: dict[str, str]) -> str:
+    """The last lines of the group's tests run plainly in mutmut's copy of the project."""
+    tests = [f"tests/{t}.py" for t in GROUPS[group][1]]
+    out = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", *tests],
+                         cwd=root / "mutants", env=env, capture_output=True, text=True)
+    return "\n   ".join((out.stdout + out.stderr).strip().splitlines()[-6:])
 
 
 def project_config() -> configparser.ConfigParser:
@@ -124,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         if run.returncode:
             print(f"   mutmut failed (exit {run.returncode}); its output: {root}/mutmut.log", flush=True)
             (root / "mutmut.log").write_text(run.stdout)
+            if "failed to collect stats" in run.stdout:  # the group's tests fail on the unmutated copy
+                print("   the group's tests fail in mutmut's copy of the project (a file they read is not "
+                      f"in LINKED?):\n   {plain_failures(root, group, env)}", flush=True)
             failed.append(group)
             continue
         for module in GROUPS[group][0]:
