@@ -19,7 +19,7 @@ slurm:
 	bash tools/slurm_up.sh --nodes 2 --gpus 2
 
 test: task slurm
-	$(PY) -m pytest -v -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -v -ra --durations=25 $(PYTEST_ARGS)
 
 # Mutation testing of the core modules, each against its fast tests (docs/testing.md; about 15 min).
 # MUTATE_ARGS picks groups and options, e.g. make mutate MUTATE_ARGS="algorithms --diffs".
