@@ -64,13 +64,13 @@ def resume_version(run: RunDir, exp: Experiment) -> int:
     """The policy version a run continues from: the latest saved one from which every stage it
     still has to run can run. With staleness s, the generate stages of iterations v..v+s-1 sample
     with versions below v: each must be committed already, or its version saved."""
-    saved = sorted({0} | {k + 1 for k in run.iterations_present() if run.has_policy(k + 1)}, reverse=True)
+    saved = sorted((k + 1 for k in run.iterations_present() if run.has_policy(k + 1)), reverse=True)
     for v in saved:
         early = range(v, min(v + exp.algorithm.max_staleness, exp.run.iterations))
         if all(commit.is_committed(run.stage_dir(k, GENERATE)) or run.has_policy(policy_version(exp, k))
                for k in early):
             return v
-    return 0
+    return 0  # the base model: the generations before the first update sample with it
 
 
 def rollback(run: RunDir, exp: Experiment) -> list:

@@ -28,11 +28,10 @@ class Kind:
     short: str = ""  # its column title in status tables
     samples_policy: bool = False  # reads the update that made the policy it samples with (hpcrl.plan)
 
-    def inputs(self, iteration: int, version: int | None = None) -> list[tuple[int, str]]:
+    def inputs(self, iteration: int, version: int) -> list[tuple[int, str]]:
         """The (iteration, kind) stage outputs the stage of `iteration` reads; a stage that samples
-        with policy `version` (default: `iteration`, lock-step) also reads the update that made it."""
+        with policy `version` (hpcrl.plan.policy_version) also reads the update that made it."""
         out = [(iteration + offset, kind) for offset, kind in self.reads if iteration + offset >= 0]
-        version = iteration if version is None else version
         if self.samples_policy and version > 0:
             out.append((version - 1, UPDATE))
         return out

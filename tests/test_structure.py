@@ -93,9 +93,12 @@ def test_each_stage_kind_has_its_object_and_a_thin_job_entry_point(name):
 
 
 def test_the_registry_says_what_a_stage_reads():
-    assert stage_kinds.kind("update").inputs(0) == [(0, "generate"), (0, "score")]
-    assert stage_kinds.kind("update").inputs(3) == [(3, "generate"), (3, "score"), (2, "update")]
-    assert (stage_kinds.kind("generate").inputs(0) == []
-            and stage_kinds.kind("score").inputs(2) == [(2, "generate")])
+    assert stage_kinds.kind("update").inputs(0, 0) == [(0, "generate"), (0, "score")]
+    assert stage_kinds.kind("update").inputs(3, 3) == [(3, "generate"), (3, "score"), (2, "update")]
+    assert (stage_kinds.kind("generate").inputs(0, 0) == []
+            and stage_kinds.kind("score").inputs(2, 2) == [(2, "generate")])
+    # a generation reads the update that made the policy it samples with (older with staleness)
+    assert stage_kinds.kind("generate").inputs(3, 3) == [(2, "update")]
+    assert stage_kinds.kind("generate").inputs(3, 2) == [(1, "update")]
     with pytest.raises(ValueError, match="unknown stage 'reward'; expected one of generate, score, update"):
         stage_kinds.kind("reward")
