@@ -45,12 +45,7 @@ def experiment(model: str, staleness: int, root: Path, iterations: int, tag: str
                  "tracking.enabled": False,
                  "executor.mode": "resident", "executor.resident.checkpoint_every": iterations,
                  "algorithm.max_staleness": staleness}
-    if model == "100m":
-        path = _bench_resident().build_100m(REPO / ".cache" / "bench-100m")
-        overrides.update({"model.path": str(path), "algorithm.prompts_per_iteration": 8,
-                          "algorithm.group_size": 4, "generate.max_tokens": 16, "generate.kv_cache_gib": 0.5,
-                          "update.mini_batches": 1, "update.micro_batch_size": 32})
-    return config.with_overrides(exp, overrides, "bench")
+    return config.with_overrides(exp, {**overrides, **_bench_resident().model_overrides(model)}, "bench")
 
 
 def measure(exp: config.Experiment) -> dict[str, float]:

@@ -68,12 +68,18 @@ def experiment(name: str, model: str, mode: str, root: Path, iterations: int) ->
                  "data.test": "", "tracking.enabled": False, **MODES[mode]}
     if mode != "staged":
         overrides["executor.resident.checkpoint_every"] = iterations
-    if model == "100m":
-        path = build_100m(REPO / ".cache" / "bench-100m")
-        overrides.update({"model.path": str(path), "algorithm.prompts_per_iteration": 8,
-                          "algorithm.group_size": 4, "generate.max_tokens": 16, "generate.kv_cache_gib": 0.5,
-                          "update.mini_batches": 1, "update.micro_batch_size": 32})
-    return config.with_overrides(exp, overrides, "bench")
+    return config.with_overrides(exp, {**overrides, **model_overrides(model)}, "bench")
+
+
+def model_overrides(model: str) -> dict[str, object]:
+    """The demo's keys to change for `model`: none for "demo"; for "100m" the ~100M model (built
+    once, cached) with a batch and lengths that fit this machine."""
+    if model != "100m":
+        return {}
+    return {"model.path": str(build_100m(REPO / ".cache" / "bench-100m")),
+            "algorithm.prompts_per_iteration": 8, "algorithm.group_size": 4, "generate.max_tokens": 16,
+            "generate.kv_cache_gib": 0.5,
+            "update.mini_batches": 1, "update.micro_batch_size": 32}
 
 
 def measure(exp: config.Experiment) -> dict[str, float]:
