@@ -19,36 +19,23 @@ from hpcrl import commit, config, executors, plan
 from hpcrl.controller import Controller
 from hpcrl.rundir import RunDir
 from hpcrl.stage_kinds import GENERATE, SCORE, UPDATE
+from tests.test_adoption import FakeSlurm
 
 TRAIN = (GENERATE, SCORE, UPDATE)
 
 
-class _Job:
-    """A stage job that commits (its saved output put back) when polled."""
+class _Slurm(FakeSlurm):
+    """tests/test_adoption's fake executor, recording what each job waits on."""
 
-    def __init__(self, stage, iteration, saved, run):
-        self.stage, self.iteration, self.job_id = stage, iteration, f"{stage}-{iteration}"
-        self.saved, self.run = saved, run
-
-    def done(self) -> bool:
-        target = self.run.stage_dir(self.iteration, self.stage)
-        if not target.exists():
-            shutil.move(self.saved / f"{self.iteration}-{self.stage}", target)
-        return True
-
-    def error(self):
-        return None
-
-
-class _Slurm:
     lookahead = 3
 
     def __init__(self, saved, run):
-        self.saved, self.run, self.after = saved, run, {}
+        super().__init__(saved, run)
+        self.after = {}
 
     def submit(self, stage, iteration, after=()):
         self.after[(iteration, stage)] = {(j.iteration, j.stage) for j in after}
-        return _Job(stage, iteration, self.saved, self.run)
+        return super().submit(stage, iteration)
 
 
 def test_the_staged_controller_queues_a_generation_beside_the_update_before_it(tmp_path, monkeypatch,
