@@ -182,3 +182,16 @@ def test_a_stale_update_is_corrected_and_not_refused(write_experiment, monkeypat
     assert metrics["rollout/staleness_mean"] == metrics["rollout/staleness_max"] == 1.0
     assert metrics["rollout/logprob_diff_mean"] > 0.1  # far beyond the tolerance, not checked
     assert metrics["actor/off_policy_weight_max"] == pytest.approx(2.0)
+
+
+def test_the_weight_bounds_its_log_ratio_below_and_counts_only_weights_above_the_cap():
+    """pins: a log-ratio not bounded below by max_log_ratio (default 20), and a clipped fraction
+    that counts a weight equal to the cap."""
+    import math
+
+    old = torch.tensor([[-30.0, -1.0]])
+    sampler = torch.tensor([[-5.0, -1.0]])  # log-ratios -25 and 0
+    mask = torch.ones_like(old)
+    bw = losses.behaviour_weight(old, sampler, mask, cap=1.0)
+    assert bw.weight[0, 0].item() == pytest.approx(math.exp(-20.0), rel=1e-5)
+    assert bw.weight[0, 1].item() == 1.0 and bw.clipfrac.item() == 0.0  # exactly at the cap: not clipped

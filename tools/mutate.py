@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 LINKED = ("hpcrl", "stages", "sbatch", "containers", "tests", "tools", "configs", "docs",
           "README.md")  # what the tests read
 GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name: (modules, test files)
-    "algorithms": (("advantages", "losses", "kl_control"), ("test_algorithms", "test_parity")),
+    "algorithms": (("advantages", "losses", "kl_control"),
+                   ("test_algorithms", "test_parity", "test_off_policy")),
     "batches": (("batches",), ("test_batches",)),
     "dynamic_sampling": (("dynamic_sampling",), ("test_dynamic_sampling",)),
     "config": (("config", "config_section", "config_training", "config_jobs", "config_reference", "runs",
