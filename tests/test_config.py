@@ -225,3 +225,12 @@ def test_shared_memory_weights_need_one_node(write_experiment):
         config.load(write_experiment(update={"world_size": 1}, executor=resident(2)))
     exp = config.load(write_experiment(executor=resident(1)))
     assert exp.executor.resident.weight_sync == "shared_memory"
+
+
+def test_colocation_is_refused_with_asynchronous_generation(write_experiment):
+    """pins: a resident run that samples while the trainers update on the GPUs vLLM would give them."""
+    path = write_experiment("coloc", algorithm={"max_staleness": 1},
+                            executor={"mode": "resident", "resident": {"colocate": True}})
+    with pytest.raises(ConfigError, match=r"executor\.resident\.colocate: asynchronous generation"):
+        config.load(path)
+    config.load(write_experiment("sync", executor={"mode": "resident", "resident": {"colocate": True}}))
