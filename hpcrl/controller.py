@@ -156,9 +156,10 @@ class Controller:
         algorithm.max_staleness > 0 the generation of later iterations runs beside an update."""
         queue = self._adopted(executor)
         failures: dict[tuple[int, str], int] = {}
+        progress = plan.Progress(self.run, self.exp)
         try:
             while True:
-                pending = plan.pending_stages(self.run, self.exp)
+                pending = progress.pending()
                 if not pending and not queue:
                     return
                 queued = {(j.iteration, j.stage) for j in queue}
@@ -222,28 +223,30 @@ class Controller:
         """One job runs every stage; follow its commits as they land (same lines, same MLflow
         logging as the staged mode) and resubmit it, continuing, if it fails."""
         failures: dict[tuple[int, str], int] = {}
-        reported = {ks for ks in plan.all_stages(self.exp) if commit.is_committed(self.run.stage_dir(*ks))}
-        while plan.pending_stages(self.run, self.exp):
+        progress = plan.Progress(self.run, self.exp)
+        while progress.pending():
+            reported = set(progress.committed)
             job = self._resident_job(executor)
             self.echo(f"resident job {job.job_id}: {self.exp.update.world_size} trainer rank(s) + 1 "
                       f"generator; logs in {job.log_paths()[0].parent}")
             try:
                 while True:
                     done = job.done()
-                    for k, stage in plan.all_stages(self.exp):
-                        if (k, stage) not in reported and commit.is_committed(self.run.stage_dir(k, stage)):
-                            reported.add((k, stage))
-                            self._after_commit(tracker, k, stage)
+                    progress.pending()
+                    new = progress.committed - reported
+                    for k, stage in [ks for ks in progress.stages if ks in new]:  # in run order
+                        reported.add((k, stage))
+                        self._after_commit(tracker, k, stage)
                     if done:
                         break
                     time.sleep(0.5)
             except BaseException:  # interrupted, or an alert stops the run
                 job.cancel()
                 raise
-            pending = plan.pending_stages(self.run, self.exp)
+            pending = progress.pending()
             if pending:
                 rolled = plan.rollback(self.run, self.exp)
-                reported -= {ks for ks in reported if not commit.is_committed(self.run.stage_dir(*ks))}
+                progress = plan.Progress(self.run, self.exp)  # rollback moved stages aside
                 for moved in rolled:
                     self.echo(f"moved aside {moved.name} (its policy version was not saved)")
                 head = executors.StageJob(job.job, "resident", pending[0][0])

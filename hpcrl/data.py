@@ -177,12 +177,19 @@ def _digest(files: list[Path], root: Path) -> str:
     return h.hexdigest()
 
 
-def _lengths_file(exp: Experiment, path: Path, split: str) -> Path:
-    """Cache file of a dataset's prompt lengths, named by the bytes of the data and the tokenizer."""
+def _sources(exp: Experiment, path: Path, split: str) -> tuple[Path, list[Path], Path, list[Path]]:
+    """(data root, its files, tokenizer directory, its files but the weights): what a split's
+    prompt set is made of."""
     source = _hf_split_dir(path, split) if path.is_dir() else path
     data_files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
     tok_dir = Path(exp.tokenizer_path)
     tok_files = sorted(p for p in tok_dir.iterdir() if p.is_file() and p.suffix not in WEIGHT_SUFFIXES)
+    return source, data_files, tok_dir, tok_files
+
+
+def _lengths_file(exp: Experiment, path: Path, split: str) -> Path:
+    """Cache file of a dataset's prompt lengths, named by the bytes of the data and the tokenizer."""
+    source, data_files, tok_dir, tok_files = _sources(exp, path, split)
     key = json.dumps({"v": 1, "data": _digest(data_files, source), "prompt_key": exp.data.prompt_key,
                       "tokenizer": _digest(tok_files, tok_dir)})
     name = hashlib.sha256(key.encode()).hexdigest()[:32]
@@ -235,14 +242,39 @@ def prompt_set(exp: Experiment, split: str, tokenizer=None) -> PromptSet:
     dataset and tokenizer give the same rows, in dataset order.
     """
     d = exp.data
-    table = load_prompts(getattr(d, split), d.prompt_key, d.answer_key, getattr(d, f"{split}_split"))
     limit = exp.model.max_model_len - exp.generate.max_tokens
+    _, data_files, _, tok_files = _sources(exp, Path(getattr(d, split)), getattr(d, f"{split}_split"))
+    key = (split, getattr(d, split), getattr(d, f"{split}_split"), d.prompt_key, d.answer_key, limit,
+           d.filter_overlong, exp.tokenizer_path, _stamps(data_files + tok_files))
+    if key in _PROMPT_SETS:  # a resident generator draws from the same set every iteration
+        return _PROMPT_SETS[key]
+    table = load_prompts(getattr(d, split), d.prompt_key, d.answer_key, getattr(d, f"{split}_split"))
     keep = prompt_lengths(exp, split, table, tokenizer) <= limit
     too_long = int((~keep).sum())
     total = table.num_rows
     if d.filter_overlong and too_long:
         table = table.filter(pa.array(keep))
-    return PromptSet(table, total, too_long, limit)
+    if len(_PROMPT_SETS) >= 8:
+        _PROMPT_SETS.clear()
+    _PROMPT_SETS[key] = PromptSet(table, total, too_long, limit)
+    return _PROMPT_SETS[key]
+
+
+_PROMPT_SETS: dict[tuple, PromptSet] = {}  # this process's sets, keyed by their files' stamps and settings
+
+
+def _stamps(files: list[Path]) -> tuple[tuple[str, int, int], ...]:
+    """(path, size, mtime) of each file: a file rewritten since reads again; (path, -1, -1) for a
+    missing one (reading it then says which)."""
+    out = []
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError:
+            out.append((str(f), -1, -1))
+        else:
+            out.append((str(f), st.st_size, st.st_mtime_ns))
+    return tuple(out)
 
 
 def draw_prompts(n_rows: int, per_iteration: int, iteration: int, seed: int,

@@ -49,9 +49,36 @@ def all_stages(exp: Experiment) -> list[tuple[int, str]]:
     return [(k, s) for k in range(exp.run.iterations + 1) for s in stages_of(exp, k)]
 
 
+class Progress:
+    """Which of a run's stages are committed, as one process driving the run sees them.
+
+    A committed stage stays committed while a run is driven (only `rollback`, before a start,
+    moves stages aside: look again with a new Progress), so each look checks only the stages it
+    has not seen committed, and only in the iteration directories that exist: a look costs a
+    directory listing and a few stats, however long the run.
+    """
+
+    def __init__(self, run: RunDir, exp: Experiment):
+        self.run, self.stages = run, all_stages(exp)
+        self.committed: set[tuple[int, str]] = set()
+
+    def pending(self) -> list[tuple[int, str]]:
+        """The stages not committed yet, in run order."""
+        present = set(self.run.iterations_present())
+        out = []
+        for k, s in self.stages:
+            if (k, s) in self.committed:
+                continue
+            if k in present and commit.is_committed(self.run.stage_dir(k, s)):
+                self.committed.add((k, s))
+            else:
+                out.append((k, s))
+        return out
+
+
 def pending_stages(run: RunDir, exp: Experiment) -> list[tuple[int, str]]:
     """The stages not committed yet, in run order."""
-    return [(k, s) for k, s in all_stages(exp) if not commit.is_committed(run.stage_dir(k, s))]
+    return Progress(run, exp).pending()
 
 
 def next_stage(run: RunDir, exp: Experiment) -> tuple[int, str] | None:

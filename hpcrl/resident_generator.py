@@ -45,6 +45,7 @@ class Generator:
         self.gen.pool = self.score.pool  # dynamic sampling scores its rounds on the same workers
         self.probe = resident_sync.probe_sequences(exp, self.llm.get_tokenizer())
         self.inflight: collections.deque[tuple[int, int]] = collections.deque()  # (update, command seq)
+        self.progress = plan.Progress(run, exp)
         self.started: set[int] = set()  # the updates this job commanded
         self.uncommitted: set[int] = set()  # those whose commit it has not seen yet
 
@@ -85,9 +86,7 @@ class Generator:
 
     def _next_stage(self) -> tuple[int, str] | None:
         """The next stage to run: the first uncommitted one, but for the updates already commanded."""
-        pending = [(k, s) for k, s in plan.pending_stages(self.run, self.exp)
-                   if not (s == UPDATE and k in self.started)]
-        return pending[0] if pending else None
+        return next(((k, s) for k, s in self.progress.pending() if not (s == UPDATE and k in self.started)), None)
 
     def _hold(self, version: int) -> None:
         """The engine holds policy `version` for the next generation: the updates in flight up to

@@ -213,11 +213,13 @@ class RunDir:
 
     def iterations_present(self) -> list[int]:
         found = []
-        for p in self.root.glob("iter_*"):
-            try:
-                found.append(int(p.name.split("_", 1)[1]))
-            except ValueError:
-                continue
+        names = os.listdir(self.root) if self.root.is_dir() else []
+        for name in names:
+            if name.startswith("iter_"):
+                try:
+                    found.append(int(name.split("_", 1)[1]))
+                except ValueError:
+                    continue
         return sorted(found)
 
 

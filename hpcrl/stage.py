@@ -12,6 +12,7 @@ work (the resident trainer's checkpoint).
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import importlib.metadata
 import os
@@ -38,6 +39,7 @@ def derive_seed(run_seed: int, iteration: int, stage: str) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
+@functools.cache
 def package_versions() -> dict[str, str]:
     out = {}
     for name in PACKAGES:
@@ -173,7 +175,7 @@ class OpenStage:
                 "policy_version": ctx.policy_version,
                 "inputs": ctx.inputs,
                 "notes": ctx.notes,
-                "packages": package_versions(),
+                "packages": dict(package_versions()),
                 "timings": ctx.timings,
                 "host": socket.gethostname(),
                 "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),

@@ -2,6 +2,7 @@
 that preflight and the generate stage share."""
 
 import json
+import os
 import shutil
 
 import pyarrow as pa
@@ -175,6 +176,21 @@ def test_overlong_prompts_are_dropped_with_a_count_or_refused(tmp_path, write_ex
                                           r"drop them with data\.filter_overlong = true"):
         preflight.check(refusing, "e.toml")
     assert data.prompt_set(refusing, "train").table.num_rows == 32
+
+
+def test_a_prompt_set_is_read_once_per_process_until_its_file_changes(tmp_path, write_experiment):
+    """pins: a resident generator's every iteration reuses the set; a rewritten dataset reads again."""
+    path, short, _ = _addition_prompts(tmp_path)
+    exp = config.load(write_experiment(data={"train": str(path), "test": str(path)}))
+    first = data.prompt_set(exp, "train")
+    assert data.prompt_set(exp, "train") is first
+    assert data.prompt_set(exp, "test") is not first  # another split, another entry
+    rows = path.read_text().splitlines()
+    path.write_text("\n".join(rows[:-1] + rows[:1]) + "\n")  # a row swapped: same size, new content
+    os.utime(path, ns=(1, 1))
+    again = data.prompt_set(exp, "train")
+    assert again is not first and again.table.num_rows == first.table.num_rows
+    assert again.table["prompt"][-1] == again.table["prompt"][0] != first.table["prompt"][-1]
 
 
 def test_too_few_prompts_left_after_the_filter(tmp_path, write_experiment):

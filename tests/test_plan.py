@@ -68,6 +68,28 @@ def test_pending_and_next_stage_follow_the_commits(tmp_path):
     assert plan.next_stage(run, exp) is None
 
 
+def test_a_progress_checks_again_only_what_it_has_not_seen_committed(tmp_path, monkeypatch):
+    """pins: Progress.pending equals a fresh look after every commit, and stats only the stages of
+    existing iteration directories that it has not seen committed (a long run stays cheap)."""
+    exp = _exp(iterations=3, eval_every=0)
+    run = RunDir.at(tmp_path)
+    progress = plan.Progress(run, exp)
+    looked: list[tuple[int, str]] = []
+    real = commit.is_committed
+    monkeypatch.setattr(commit, "is_committed", lambda d: looked.append((int(d.parent.name[5:]), d.name))
+                        or real(d))
+    stages = plan.all_stages(exp)
+    for i, (k, s) in enumerate(stages):
+        assert progress.pending() == stages[i:]
+        looked.clear()
+        d = run.stage_dir(k, s)
+        d.mkdir(parents=True)
+        (d / commit.MANIFEST).write_text("{}")
+        assert progress.pending() == stages[i + 1:]
+        assert looked == [ks for ks in stages[i:] if ks[0] == k]  # not the committed, not absent iterations
+    assert progress.pending() == [] and plan.pending_stages(run, exp) == []
+
+
 # -- asynchronous generation (algorithm.max_staleness; tests/test_async.py runs it end to end) ------
 
 def _stale_exp(tmp_path, iterations: int = 4, staleness: int = 1):
