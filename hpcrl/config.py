@@ -71,6 +71,12 @@ class Experiment(Section):
             raise Rule("executor.resident.colocate", "asynchronous generation (algorithm.max_staleness = "
                        f"{self.algorithm.max_staleness}) samples while the trainers update, so vLLM cannot "
                        "give its GPUs to them; expected colocate = false, or max_staleness = 0")
+        if self.generate.engines > 1 and ex.mode == "resident":
+            raise Rule("generate.engines", "the resident mode runs one vLLM engine; expected engines = 1, "
+                       "or executor.mode = \"staged\"")
+        if self.generate.engines > 1 and self.algorithm.dynamic_sampling:
+            raise Rule("generate.engines", "dynamic sampling draws its rounds over the whole batch in one "
+                       "engine; expected engines = 1, or algorithm.dynamic_sampling = false")
         if ex.mode != "resident" or ex.kind != "slurm":
             return self
         if ex.resident.generator is not None and w % ex.resident.nodes:

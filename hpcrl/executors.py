@@ -15,26 +15,28 @@ from pathlib import Path
 
 import submitit
 
-from hpcrl import job_env, stage_kinds
+from hpcrl import commit, job_env, stage_kinds
 from hpcrl.config import Experiment
 from hpcrl.distributed import free_port
 from hpcrl.rundir import RunDir
 
 
-def run_stage_module(module: str, run_dir: str, iteration: int) -> None:
-    """What every stage job executes: `python -m <module> --run-dir R --iteration K`, in-process."""
-    importlib.import_module(module).main(["--run-dir", run_dir, "--iteration", str(iteration)])
+def run_stage_module(module: str, run_dir: str, iteration: int, shard: tuple[int, int] | None = None) -> None:
+    """What every stage job executes: `python -m <module> --run-dir R --iteration K [--shard I/N]`,
+    in-process."""
+    argv = ["--run-dir", run_dir, "--iteration", str(iteration)]
+    importlib.import_module(module).main(argv + (["--shard", f"{shard[0]}/{shard[1]}"] if shard else []))
 
 
 class StageCall(submitit.helpers.Checkpointable):
     """A stage as a submitit callable; on the time-limit or preemption signal submitit requeues it
     (nothing of an interrupted stage is committed, so it starts over)."""
 
-    def __init__(self, module: str, run_dir: str, iteration: int):
-        self.module, self.run_dir, self.iteration = module, run_dir, iteration
+    def __init__(self, module: str, run_dir: str, iteration: int, shard: tuple[int, int] | None = None):
+        self.module, self.run_dir, self.iteration, self.shard = module, run_dir, iteration, shard
 
     def __call__(self) -> None:
-        run_stage_module(self.module, self.run_dir, self.iteration)
+        run_stage_module(self.module, self.run_dir, self.iteration, self.shard)
 
 
 def slurm_parameters(exp: Experiment, role: str, run_name: str, iteration: int | None = None) -> dict:
@@ -114,13 +116,64 @@ def tasks_for(exp: Experiment, stage: str) -> int:
     return exp.update.world_size if stage_kinds.kind(stage).on_trainers else 1
 
 
-def _call(run: RunDir, stage: str, iteration: int | None):
-    """The callable of a job: a stage, or (stage "resident") the whole resident loop."""
+def _calls(run: RunDir, exp: Experiment, stage: str, iteration: int | None) -> list:
+    """The callables of a stage's job (an array of one per shard still to commit, for a stage that
+    runs in shards), or (stage "resident") the whole resident loop."""
     if stage == "resident":
         from hpcrl.resident import ResidentCall
 
-        return ResidentCall(str(run.root))
-    return StageCall(stage_kinds.kind(stage).module, str(run.root), iteration)
+        return [ResidentCall(str(run.root))]
+    module = stage_kinds.kind(stage).module
+    return [StageCall(module, str(run.root), iteration, shard) for shard in shards_to_run(run, exp, stage, iteration)]
+
+
+def shards_to_run(run: RunDir, exp: Experiment, stage: str, iteration: int) -> list[tuple[int, int] | None]:
+    """The shards (i, n) of a stage still to commit (generate.engines = n > 1; hpcrl.shards), or
+    [None] for a stage that runs whole. When every shard is committed but the stage is not (its
+    merge was interrupted), shard 0 again: it finds its shard committed and merges."""
+    n = exp.generate.engines
+    if stage_kinds.kind(stage).merge is None or n == 1:
+        return [None]
+    todo = [(i, n) for i in range(n) if not commit.is_committed(run.shard_dir(iteration, stage, i, n))]
+    return todo or [(0, n)]
+
+
+def submit_all(ex, calls: list):
+    """One job, or one job array (a task per call; each is its own Slurm job, which `afterok`
+    on the array's id waits for as a whole)."""
+    if len(calls) == 1:
+        return ex.submit(calls[0])
+    with ex.batch():
+        jobs = [ex.submit(call) for call in calls]
+    return ArrayJob(jobs)
+
+
+class ArrayJob:
+    """The jobs of one stage's shards, followed as one submitit job: done when every one is, its
+    error the first one's, its id the array's."""
+
+    def __init__(self, jobs: list):
+        self.jobs = jobs
+        self.job_id = str(jobs[0].job_id).split("_")[0]
+        self.paths = jobs[0].paths
+        self.num_tasks = len(jobs)
+
+    def done(self) -> bool:
+        return all(j.done() for j in self.jobs)
+
+    def exception(self) -> BaseException | None:
+        return next((e for j in self.jobs if (e := j.exception()) is not None), None)
+
+    def cancel(self, check: bool = False) -> None:
+        for j in self.jobs:
+            j.cancel(check=check)
+
+    def task(self, i: int):
+        return self.jobs[i]
+
+    def get_info(self, mode: str = "force") -> dict:
+        nodes = {getattr(j, "get_info", lambda mode: {})(mode).get("NodeList") for j in self.jobs}
+        return {"NodeList": ",".join(sorted(n for n in nodes if n))}
 
 
 @dataclass
@@ -187,7 +240,7 @@ class LocalExecutor:
         saved = os.environ.get("MASTER_PORT")
         os.environ["MASTER_PORT"] = str(free_port())
         try:
-            job = self._ex.submit(_call(self.run, stage, iteration))
+            job = submit_all(self._ex, _calls(self.run, self.exp, stage, iteration))
         finally:
             if saved is None:
                 del os.environ["MASTER_PORT"]
@@ -207,7 +260,7 @@ class SlurmExecutor:
 
     def submit(self, stage: str, iteration: int | None, after: Sequence[StageJob] = ()) -> StageJob:
         ex = submitit_executor(self.run, self.exp, stage, iteration, [job.job_id for job in after])
-        return StageJob(ex.submit(_call(self.run, stage, iteration)), stage, iteration)
+        return StageJob(submit_all(ex, _calls(self.run, self.exp, stage, iteration)), stage, iteration)
 
     def adopt(self, job_id: str, stage: str, iteration: int | None) -> StageJob:
         """A job submitted earlier (by a controller before this one), followed as if submitted now."""

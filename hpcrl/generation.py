@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from hpcrl import commit, data, dynamic_sampling, plan, scoring
+from hpcrl import commit, data, dynamic_sampling, plan, scoring, shards
 from hpcrl.config import Experiment
 from hpcrl.stage import Stage, StageContext
 from hpcrl.stage_kinds import GENERATE, UPDATE
@@ -188,14 +188,15 @@ def generate(ctx, llm, version: int, pool=None, await_policy: Callable[[], None]
     _check_version(ctx, version, await_policy is None)
     ctx.policy_version = version
     tokenizer = llm.get_tokenizer()
+    mine = (lambda requests: shards.take(requests, *ctx.shard)) if ctx.shard else tuple  # hpcrl.shards
     with ctx.timed("io"):
         prompts = data.prompt_set(exp, "train", tokenizer).table if plan.trains(exp, k) else None
-        val = val_requests(exp, k, tokenizer)
+        val = mine(val_requests(exp, k, tokenizer))
     a, g = exp.algorithm, exp.generate
 
     def draw(r: int) -> tuple[Request, ...]:
         with ctx.timed("io"):
-            return train_requests(exp, k, tokenizer, prompts, r)
+            return mine(train_requests(exp, k, tokenizer, prompts, r))
 
     def sample_train(requests, r: int) -> pa.Table:
         with ctx.timed("compute"):
@@ -233,6 +234,28 @@ def generate(ctx, llm, version: int, pool=None, await_policy: Callable[[], None]
     with ctx.timed("io"):
         ctx.writer.write_table("rollouts", rollouts)
     ctx.writer.metrics.update(rollout_metrics(rollouts, ctx.timings["compute"]))
+
+
+def merge_shards(ctx, shards_n: int) -> None:
+    """The generate stage of ctx.iteration from its `shards_n` committed shards (hpcrl.shards): their
+    rollouts in one engine's order; the manifest lists them as its inputs."""
+    dirs = [ctx.run.shard_dir(ctx.iteration, GENERATE, i, shards_n) for i in range(shards_n)]
+    with ctx.timed("io"):
+        tables = [commit.read_table(d, "rollouts") for d in dirs]
+        ctx.parts = [commit.read_manifest(d) for d in dirs]
+        for d in dirs:
+            ctx.inputs[f"{d.parent.name}/{d.name}@{d.parent.parent.name}"] = commit.manifest_digest(d)
+        rollouts = shards.merge(tables)
+        ctx.writer.write_table("rollouts", rollouts)
+    versions = {m["policy_version"] for m in ctx.parts}
+    if len(versions) != 1:
+        raise commit.CorruptOutputError(f"the shards of {ctx.run.stage_dir(ctx.iteration, GENERATE)} sampled "
+                                        f"with different policy versions {sorted(versions)}")
+    ctx.policy_version = versions.pop()
+    for m in ctx.parts:  # what each shard read (the update that made the policy), as one stage does
+        ctx.inputs.update(m["inputs"])
+    compute = max(m["timings"].get("compute", 0.0) for m in ctx.parts)  # side by side: the slowest
+    ctx.writer.metrics.update(rollout_metrics(rollouts, compute))
 
 
 def _check_version(ctx, version: int, committed: bool) -> None:

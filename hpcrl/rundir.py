@@ -97,6 +97,11 @@ class RunDir:
             raise ValueError(f"unknown stage {stage!r}; expected one of {ORDER}")
         return self.iteration_dir(iteration) / stage
 
+    def shard_dir(self, iteration: int, stage: str, shard: int, shards: int) -> Path:
+        """Shard `shard` of `shards` of a stage split over several tasks (hpcrl.shards), committed
+        like a stage: iter_K/<stage>.shards/<i>-of-<n>."""
+        return self.stage_dir(iteration, stage).with_name(f"{stage}.shards") / f"{shard}-of-{shards}"
+
     def policy_dir(self, version: int, base_model: str | os.PathLike) -> Path:
         """HF weights of a policy version; version 0 is the base model of the config."""
         if version == 0:

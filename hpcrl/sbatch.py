@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import jinja2
 
-from hpcrl import config, executors, job_env, plan
+from hpcrl import config, executors, job_env, plan, stage_kinds
 from hpcrl.config import SBATCH_OPTION, SBATCH_VALUE, ConfigError, Experiment
 from hpcrl.rundir import RunDir
 
@@ -58,6 +58,9 @@ def render(run: RunDir, exp: Experiment, role: str, iteration: int | None = None
     params = executors.slurm_parameters(exp, role, run.root.name, iteration)
     # what submitit adds to every job it submits: the pre-timeout signal and appending logs
     params["additional_parameters"].update(signal=f"USR2@{exp.executor.signal_delay_s}", open_mode="append")
+    shards = exp.generate.engines if role in stage_kinds.KINDS and stage_kinds.kind(role).merge else 1
+    if shards > 1:  # a task per engine, each committing its shard (hpcrl.shards)
+        params["additional_parameters"]["array"] = f"0-{shards - 1}"
     env = job_env.job_environment(exp, role, executors.tasks_for(exp, role) if role != "controller" else 1)
     lines = directives(params, run.logs)
     if executors.generator_node(exp, role) is not None:  # a heterogeneous job: the generator's node
@@ -67,7 +70,7 @@ def render(run: RunDir, exp: Experiment, role: str, iteration: int | None = None
            "run_dir": repr(str(run.root)), "run_dir_q": shlex.quote(str(run.root))}
     if role in ("controller", "resident"):
         return _env().get_template(f"{role}.sbatch.j2").render(**ctx)
-    return _env().get_template("stage.sbatch.j2").render(stage=role, iteration=iteration, **ctx)
+    return _env().get_template("stage.sbatch.j2").render(stage=role, iteration=iteration, shards=shards, **ctx)
 
 
 def write_all(run: RunDir, exp: Experiment, out: Path) -> list[Path]:

@@ -74,6 +74,8 @@ class StageContext:
     inputs: dict[str, str] = field(default_factory=dict)
     policy_version: int | None = None
     notes: dict[str, str] = field(default_factory=dict)  # choices the stage made (the manifest's "notes")
+    shard: tuple[int, int] | None = None  # (i, n): this attempt commits shard i of n (hpcrl.shards)
+    parts: list[dict] = field(default_factory=list)  # a stage merged from shards: their manifests
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
@@ -116,13 +118,14 @@ class OpenStage:
     Every rank of a multi-rank stage opens it (collective); only rank 0 locks and commits."""
 
     def __init__(self, stage: str, run_dir: str | os.PathLike, iteration: int, rank: int = 0,
-                 world_size: int = 1, startup: float | None = None):
+                 world_size: int = 1, startup: float | None = None, shard: tuple[int, int] | None = None):
         startup = process_age() if startup is None else startup
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # compute jobs never reach a model hub
         run = RunDir.at(run_dir)
         exp = config.load(run.config_path)
         self.stage, self.iteration, self.rank, self.world_size = stage, iteration, rank, world_size
-        self.out = run.stage_dir(iteration, stage)
+        self.out = run.stage_dir(iteration, stage) if shard is None else run.shard_dir(iteration, stage, *shard)
+        what = f"iteration {iteration}" + (f" shard {shard[0]} of {shard[1]}" if shard else "")
         self._sync = _dist_broadcast if world_size > 1 else (lambda v: v)
         self._locks = ExitStack()
         if rank == 0:
@@ -133,14 +136,14 @@ class OpenStage:
             if self._sync(commit.is_committed(self.out) if rank == 0 else None):
                 self.manifest = commit.read_manifest(self.out)
                 self.close()
-                print(f"[{stage}] iteration {iteration} is already committed: nothing to do", flush=True)
+                print(f"[{stage}] {what} is already committed: nothing to do", flush=True)
                 return
             tmp = Path(self._sync(str(commit.fresh_temp_dir(self.out)) if rank == 0 else None))
         except BaseException:
             self.close()
             raise
         self.ctx = StageContext(run, exp, stage, iteration, derive_seed(exp.run.seed, iteration, stage),
-                                commit.StageWriter(tmp), rank, world_size)
+                                commit.StageWriter(tmp), rank, world_size, shard=shard)
         self.ctx.timings["startup"] = startup
         self._busy = startup
 
@@ -168,6 +171,10 @@ class OpenStage:
             executor = ctx.exp.executor
             use = utilisation.record(self.stage, executor.mode, ctx.timings, allocated, ranks,
                                      None if executor.kind == "slurm" else 0.0)  # Slurm's: from sacct
+            if ctx.parts:  # merged from shards that ran side by side: the slowest one's time, all devices
+                slowest = max((m["timings"] for m in ctx.parts), key=lambda t: t["total"])
+                ctx.timings = {p: slowest.get(p, 0.0) + ctx.timings.get(p, 0.0) for p in {*slowest, *ctx.timings}}
+                use = utilisation.combine([m["utilisation"] for m in ctx.parts])
             self.manifest = commit.commit(self.out, ctx.writer, {
                 "stage": self.stage,
                 "iteration": self.iteration,
@@ -182,12 +189,14 @@ class OpenStage:
                 "world_size": self.world_size,
                 "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
                 "utilisation": use,
+                **({"shard": list(ctx.shard)} if ctx.shard else {}),
             })
         finally:
             self.close()
         shutil.rmtree(commit.partial_dir(self.out), ignore_errors=True)  # an interrupted update's progress
         summary = ", ".join(f"{k} {v:.3g}" for k, v in sorted(self.manifest["metrics"].items())[:6])
-        print(f"[{self.stage}] iteration {self.iteration} committed in {ctx.timings['total']:.1f}s: "
+        print(f"[{self.stage}] iteration {self.iteration}{f' shard {ctx.shard[0]}' if ctx.shard else ''} "
+              f"committed in {ctx.timings['total']:.1f}s: "
               f"{summary}", flush=True)
         return self.manifest
 
@@ -198,12 +207,14 @@ class OpenStage:
 
 
 def run_stage(stage: str, run_dir: str | os.PathLike, iteration: int, body: Body,
-              rank: int = 0, world_size: int = 1, startup: float | None = None) -> dict | None:
-    """Run `body` for one stage of one iteration and commit its output; no-op when committed.
+              rank: int = 0, world_size: int = 1, startup: float | None = None,
+              shard: tuple[int, int] | None = None) -> dict | None:
+    """Run `body` for one stage of one iteration (or one shard of it) and commit its output;
+    no-op when committed.
 
     `startup` is the time spent before the body (default: this process's age, right for a stage
     job; a resident worker, already up, passes 0)."""
-    attempt = OpenStage(stage, run_dir, iteration, rank, world_size, startup)
+    attempt = OpenStage(stage, run_dir, iteration, rank, world_size, startup, shard)
     if attempt.ctx is None:
         return attempt.manifest
     attempt.run(body)
@@ -258,8 +269,13 @@ def job_main(name: str, argv: list[str] | None = None) -> None:
                                      description=f"Run the {name} stage of one iteration and commit it.")
     parser.add_argument("--run-dir", required=True, help="run directory (holds the frozen experiment.toml)")
     parser.add_argument("--iteration", type=int, required=True, help="iteration number, from 0")
+    parser.add_argument("--shard", type=_shard, help="I/N: commit shard I of N (from 0; hpcrl.shards), and "
+                        "the stage once every shard is committed")
     args = parser.parse_args(argv)
     requeue.install_by_hand(args.run_dir)
+    if args.shard is not None:
+        _shard_job(kind, args.run_dir, args.iteration, args.shard)
+        return
     if not kind.on_trainers:
         run_stage(name, args.run_dir, args.iteration, _job_body(kind))
         return
@@ -270,6 +286,30 @@ def job_main(name: str, argv: list[str] | None = None) -> None:
         run_stage(name, args.run_dir, args.iteration, _job_body(kind, rank, world), rank, world)
     finally:
         distributed.shutdown()
+
+
+def _shard(text: str) -> tuple[int, int]:
+    i, _, n = text.partition("/")
+    try:
+        shard = (int(i), int(n))
+    except ValueError:
+        shard = (-1, 0)
+    if not 0 <= shard[0] < shard[1]:
+        raise argparse.ArgumentTypeError(f"expected I/N with 0 <= I < N, got {text!r}")
+    return shard
+
+
+def _shard_job(kind: stage_kinds.Kind, run_dir: str, iteration: int, shard: tuple[int, int]) -> None:
+    """One shard of a stage split over several tasks; the task that finds every shard committed
+    commits the stage, merged (the others leave it: the stage lock lets one in)."""
+    if kind.merge is None:
+        raise SystemExit(f"the {kind.name} stage does not run in shards")
+    run_stage(kind.name, run_dir, iteration, _job_body(kind), shard=shard)
+    run = RunDir.at(run_dir)
+    n = shard[1]
+    if all(commit.is_committed(run.shard_dir(iteration, kind.name, i, n)) for i in range(n)):
+        merge = kind.merge_function()
+        run_stage(kind.name, run_dir, iteration, lambda ctx: merge(ctx, n), startup=0.0)
 
 
 def _job_body(kind: stage_kinds.Kind, rank: int = 0, world_size: int = 1) -> Body:

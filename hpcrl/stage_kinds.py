@@ -27,6 +27,7 @@ class Kind:
     on_trainers: bool = False  # runs on update.world_size ranks (one task each); else on one task
     short: str = ""  # its column title in status tables
     samples_policy: bool = False  # reads the update that made the policy it samples with (hpcrl.plan)
+    merge: str | None = None  # "module:function" merging its shards (it runs in shards: hpcrl.shards)
 
     def inputs(self, iteration: int, version: int) -> list[tuple[int, str]]:
         """The (iteration, kind) stage outputs the stage of `iteration` reads; a stage that samples
@@ -38,6 +39,10 @@ class Kind:
 
     def stage_class(self) -> type:
         module, name = self.home.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    def merge_function(self):
+        module, name = self.merge.split(":")
         return getattr(importlib.import_module(module), name)
 
     @property
@@ -54,7 +59,8 @@ def register(kind: Kind) -> Kind:
     return kind
 
 
-register(Kind(GENERATE, "hpcrl.generation:GenerateStage", samples_policy=True, short="gen"))
+register(Kind(GENERATE, "hpcrl.generation:GenerateStage", samples_policy=True, short="gen",
+              merge="hpcrl.generation:merge_shards"))
 register(Kind(SCORE, "hpcrl.scoring:ScoreStage", reads=((0, GENERATE),), short="score"))
 register(Kind(UPDATE, "hpcrl.update:UpdateStage", reads=((0, GENERATE), (0, SCORE), (-1, UPDATE)),
               on_trainers=True, short="update"))

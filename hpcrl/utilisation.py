@@ -183,6 +183,21 @@ def record(stage: str, mode: str, timings: Mapping[str, float], allocated_s: flo
             "allocated_s": float(allocated_s), "queue_s": queue_s}
 
 
+def combine(records: list[dict]) -> dict:
+    """One entry for a stage whose shards ran side by side (hpcrl.shards): their devices added, and
+    busy and allocated seconds such that the device-seconds are the shards' sums; the longest queue
+    wait (null when a shard's is read from sacct)."""
+    devices = sum(r["devices"] for r in records)
+    waits = [r["queue_s"] for r in records]
+
+    def per_device(key: str) -> float:
+        return sum(r[key] * r["devices"] for r in records) / devices if devices else 0.0
+
+    return {"role": records[0]["role"], "devices": devices, "device_type": records[0]["device_type"],
+            "busy_s": per_device("busy_s"), "allocated_s": per_device("allocated_s"),
+            "queue_s": None if None in waits else max(waits)}
+
+
 # ---- reports over manifests ----------------------------------------------------------------------
 
 @dataclass

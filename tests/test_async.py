@@ -121,6 +121,30 @@ def test_a_resident_async_run_commits_what_the_staged_one_does(staged_async, wri
     assert synced["sync/logp_diff"] < 1e-4 < synced["sync/update_shift"]
 
 
+def test_two_engines_commit_what_one_does(staged_async, write_experiment):
+    """pins (generate.engines, hpcrl.shards): shards that draw other prompts or seeds than one
+    engine, a merge out of one engine's order, or a stage committed before each of its shards."""
+    path = write_experiment("engines", generate={"engines": 2}, **ASYNC)
+    out = _submit(path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    exp = config.load(path)
+    run = RunDir.at(exp.run_dir)
+    _same_outputs(staged_async, run, exp)
+    for k in range(exp.run.iterations + 1):
+        stage = run.stage_dir(k, GENERATE)
+        manifest = commit.read_manifest(stage)
+        parts = [run.shard_dir(k, GENERATE, i, 2) for i in range(2)]
+        shard_manifests = [commit.read_manifest(d) for d in parts]
+        assert [m["shard"] for m in shard_manifests] == [[0, 2], [1, 2]]
+        assert all(m["committed_at"] < manifest["committed_at"] for m in shard_manifests)
+        tables = [pq.read_table(d / "rollouts.parquet") for d in parts]
+        prompts = [set(t["prompt_index"].to_pylist()) for t in tables]
+        assert prompts[0] and prompts[1] and not prompts[0] & prompts[1], k
+        assert sum(t.num_rows for t in tables) == pq.read_metadata(stage / "rollouts.parquet").num_rows
+        assert {f"generate.shards/{i}-of-2@iter_{k:06d}" for i in range(2)} <= set(manifest["inputs"])
+        assert manifest["utilisation"]["devices"] == sum(m["utilisation"]["devices"] for m in shard_manifests)
+
+
 def _kill_when_committed(proc: subprocess.Popen, stage_dir, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while not commit.is_committed(stage_dir):

@@ -1,0 +1,98 @@
+"""Shards of a generate stage (hpcrl.shards): which requests each engine samples, and the merge back
+into one engine's order. tests/test_async.py runs two engines end to end."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from hpcrl import shards, utilisation
+
+
+def _one_engine(train: list[int], group: int, val: list[int], baseline: bool = False) -> pa.Table:
+    """Rollouts as one engine writes them: each training prompt's group, the greedy baselines, then
+    the validation prompts (a sample each)."""
+    rows = [("train", p, j) for p in train for j in range(group)]
+    rows += [("baseline", p, 0) for p in train] if baseline else []
+    rows += [("val", p, 0) for p in val]
+    return pa.table({"split": [r[0] for r in rows], "prompt_index": [r[1] for r in rows],
+                     "sample_index": [r[2] for r in rows]})
+
+
+def _shard_tables(train: list[int], group: int, val: list[int], n: int, baseline: bool = False):
+    return [_one_engine(shards.take(train, i, n), group, shards.take(val, i, n), baseline) for i in range(n)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_shards_merge_back_into_one_engines_rollouts(n):
+    """pins: a merge that concatenates the shards (or sorts by prompt index) instead of restoring
+    the draw order, or drops the requests of a shard that holds one fewer."""
+    train, val = [7, 3, 11, 0, 5], [0, 1, 2, 3]  # drawn out of order; 5 and 4 do not divide evenly
+    for baseline in (False, True):
+        merged = shards.merge(_shard_tables(train, 4, val, n, baseline))
+        assert merged.equals(_one_engine(train, 4, val, baseline))
+
+
+def test_each_engine_takes_every_nth_request():
+    """pins: shards that overlap, leave a request out, or give one engine a block of the batch."""
+    requests = list("abcdefg")
+    assert [shards.take(requests, i, 3) for i in range(3)] == [["a", "d", "g"], ["b", "e"], ["c", "f"]]
+    assert shards.take(requests, 0, 1) == requests
+    with pytest.raises(ValueError, match="shard 3 of 3"):
+        shards.take(requests, 3, 3)
+
+
+def test_a_merge_refuses_shards_that_do_not_fit_together():
+    """pins: a merge that silently interleaves shards of different draws (a shard from another
+    engine count, or one with a request missing)."""
+    parts = _shard_tables([1, 2, 3, 4], 2, [], 2)
+    with pytest.raises(ValueError, match="shard 0 of 2 holds 1 train requests"):
+        shards.merge([parts[0].slice(0, 2), parts[1]])
+    with pytest.raises(ValueError, match=r"\['val'\]"):
+        shards.merge([_one_engine([1], 2, []), _one_engine([2], 2, [0])])
+
+
+def test_a_merged_stage_counts_every_shards_devices():
+    """pins: a merged utilisation that keeps one shard's devices, or averages seconds without
+    weighting them by devices (device-seconds must add up)."""
+    a = {"role": "generator", "devices": 1, "device_type": "gpu", "busy_s": 10.0, "allocated_s": 20.0,
+         "queue_s": 0.0}
+    b = {**a, "devices": 3, "busy_s": 2.0, "allocated_s": 4.0, "queue_s": 5.0}
+    merged = utilisation.combine([a, b])
+    assert merged["devices"] == 4 and merged["role"] == "generator"
+    assert merged["busy_s"] * 4 == pytest.approx(10.0 + 3 * 2.0)
+    assert merged["allocated_s"] * 4 == pytest.approx(20.0 + 3 * 4.0)
+    assert merged["queue_s"] == 5.0
+    assert utilisation.combine([a, {**b, "queue_s": None}])["queue_s"] is None
+
+
+def test_a_sharded_generate_script_is_a_job_array_whose_tasks_each_commit_their_shard(write_experiment,
+                                                                                     tmp_path, monkeypatch):
+    """pins: a hand-submitted generate script that runs the whole stage in every array task (each
+    engine sampling every prompt), or a score script made an array too."""
+    from hpcrl import config, sbatch
+    from tests.test_job_env import _execute, _run
+
+    exp = config.load(write_experiment("engines", generate={"engines": 3},
+                                       executor={"kind": "slurm", "generate": {"gpus_per_node": 1}}))
+    script = sbatch.render(_run(exp), exp, "generate", 4)
+    assert "#SBATCH --array=0-2\n" in script
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "2")
+    argv = [a for a in _execute(script, tmp_path)[0] if not a.startswith("preamble=")]
+    assert argv[-8:] == ["-m", "stages.generate", "--run-dir", str(_run(exp).root), "--iteration", "4",
+                         "--shard", "2/3"]
+    assert "--array" not in sbatch.render(_run(exp), exp, "score", 4)
+
+
+@pytest.mark.parametrize(("overrides", "why"), [
+    ({"executor": {"mode": "resident"}}, "the resident mode runs one vLLM engine"),
+    ({"algorithm": {"dynamic_sampling": True}}, "dynamic sampling draws its rounds over the whole batch"),
+])
+def test_several_engines_are_refused_where_they_are_not_built(write_experiment, overrides, why):
+    """pins: a config with several engines accepted where each engine would sample the whole batch."""
+    from hpcrl import config
+    from hpcrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"generate\.engines.*{why}"):
+        config.load(write_experiment("engines", generate={"engines": 2}, **overrides))
+    config.load(write_experiment("one", generate={"engines": 1}, **overrides))
