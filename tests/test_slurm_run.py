@@ -295,3 +295,29 @@ def test_staged_async_run_overlaps_a_generation_with_the_update_before_it(tmp_pa
     for k in range(2):  # each generation sampled with the update its job waited for
         inputs = commit.read_manifest(run.stage_dir(k + 2, "generate"))["inputs"]
         assert f"update@iter_{k + (k == 1):06d}" in inputs  # the final validation: the final policy
+
+
+def test_two_generate_shards_run_on_two_nodes_and_commit_what_one_engine_does(runs_root, tiny_task,
+                                                                              local_ref):
+    """Issue #19: with generate.engines = 2 each generate stage is a job array whose two tasks (a
+    node's two GPUs each, so never on one node) run side by side on both nodes (sacct), and the
+    stages commit the bytes of the one-engine run. pins: shards run one after the other in one job,
+    or merged out of one engine's order."""
+    whole_node = {**SLURM["generate"], "cpus_per_task": 1, "gpus_per_node": 2}
+    path = _write(runs_root, tiny_task, "engines", executor={**SLURM, "generate": whole_node},
+                  generate={"engines": 2}, run={"iterations": 1})
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    run = RunDir.at(runs_root / "runs" / "engines")
+    _wait_complete(run)
+    for stage in ("generate", "score"):  # iteration 0 is the same in the two-iteration reference
+        assert (commit.read_manifest(run.stage_dir(0, stage))["files"]
+                == commit.read_manifest(local_ref.stage_dir(0, stage))["files"]), stage
+    arrays = [j["job_id"] for j in run.jobs() if j["role"] == "generate"]
+    assert len(arrays) == 2  # iteration 0 and the final validation, one array each
+    for array in arrays:
+        rows = [r for r in _sacct_ended([array]) if not r["JobID"].endswith("]")]
+        assert sorted(r["JobID"] for r in rows) == [f"{array}_0", f"{array}_1"], rows
+        assert all(r["State"] == "COMPLETED" for r in rows), rows
+        assert sorted(r["NodeList"] for r in rows) == ["n1", "n2"], rows
