@@ -96,3 +96,47 @@ def test_several_engines_are_refused_where_they_are_not_built(write_experiment, 
     with pytest.raises(ConfigError, match=rf"generate\.engines.*{why}"):
         config.load(write_experiment("engines", generate={"engines": 2}, **overrides))
     config.load(write_experiment("one", generate={"engines": 1}, **overrides))
+
+
+def _commit_shard(run, k: int, i: int, n: int, table: pa.Table, total_s: float) -> dict:
+    from hpcrl import commit
+
+    out = run.shard_dir(k, "generate", i, n)
+    writer = commit.StageWriter(commit.fresh_temp_dir(out))
+    writer.write_table("rollouts", table)
+    use = {"role": "generator", "devices": 1, "device_type": "cpu", "busy_s": total_s / 2,
+           "allocated_s": total_s, "queue_s": 0.0}
+    return commit.commit(out, writer, {"stage": "generate", "iteration": k, "policy_version": 0, "inputs": {},
+                                       "timings": {"compute": total_s / 2, "total": total_s},
+                                       "utilisation": use, "shard": [i, n]})
+
+
+def test_a_retry_runs_only_the_missing_shards_and_merges_when_none_is(tmp_path):
+    """pins: a retry that samples committed shards again, or that finds every shard committed and
+    submits nothing, so a merge interrupted before its commit never happens."""
+    import shutil
+
+    from hpcrl import commit, config, executors, stage, stage_kinds
+    from tests.synthetic_run import make_run
+
+    run = make_run(tmp_path / "run", iterations=1, rows=32, val_rows=8, eval_every=1)
+    exp = config.with_overrides(config.load(run.config_path), {"generate.engines": 2}, "test")
+    whole = commit.read_table(run.stage_dir(0, "generate"), "rollouts")
+    shutil.move(run.stage_dir(0, "generate"), tmp_path / "aside")
+    per_split = {}
+    for split, rows in shards.blocks(whole):
+        per_split.setdefault(split, []).append(rows)
+    parts = [pa.concat_tables([b for blocks in per_split.values() for b in shards.take(blocks, i, 2)])
+             for i in range(2)]
+    assert executors.shards_to_run(run, exp, "generate", 0) == [(0, 2), (1, 2)]
+    _commit_shard(run, 0, 1, 2, parts[1], total_s=3.0)
+    assert executors.shards_to_run(run, exp, "generate", 0) == [(0, 2)]
+    _commit_shard(run, 0, 0, 2, parts[0], total_s=5.0)
+    assert executors.shards_to_run(run, exp, "generate", 0) == [(0, 2)]  # to merge
+    assert executors.shards_to_run(run, exp, "score", 0) == [None]
+    stage._shard_job(stage_kinds.kind("generate"), str(run.root), 0, (0, 2))  # its shard is committed
+    assert commit.read_table(run.stage_dir(0, "generate"), "rollouts").equals(whole)
+    manifest = commit.read_manifest(run.stage_dir(0, "generate"))
+    assert {f"generate.shards/{i}-of-2@iter_000000" for i in range(2)} <= set(manifest["inputs"])
+    assert manifest["policy_version"] == 0 and manifest["utilisation"]["devices"] == 2
+    assert manifest["timings"]["compute"] == 2.5 and manifest["timings"]["total"] >= 5.0  # the slowest shard's
