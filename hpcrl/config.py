@@ -71,6 +71,9 @@ class Experiment(Section):
             raise Rule("executor.resident.colocate", "asynchronous generation (algorithm.max_staleness = "
                        f"{self.algorithm.max_staleness}) samples while the trainers update, so vLLM cannot "
                        "give its GPUs to them; expected colocate = false, or max_staleness = 0")
+        if ex.score.tasks > 1 and ex.mode == "resident":
+            raise Rule("executor.score.tasks", "the resident mode scores on its generator task's reward "
+                       "workers; expected tasks = 1, or executor.mode = \"staged\"")
         if self.generate.engines > 1 and ex.mode == "resident":
             raise Rule("generate.engines", "the resident mode runs one vLLM engine; expected engines = 1, "
                        "or executor.mode = \"staged\"")

@@ -148,6 +148,14 @@ class ResidentConfig(SlurmResources):
         return self
 
 
+class ScoreResources(SlurmResources):
+    tasks: int = Field(1, ge=1, description="Tasks sharing each score stage (staged mode): a job array of "
+                       "this many, each with these resources, each scoring a contiguous part of the "
+                       "rollouts (slow reward functions, sandboxes). Reward functions and services give "
+                       "the same scores whatever the number; a reward model's may differ in the last bits "
+                       "(its batches change).")
+
+
 def _mode(value: str) -> Any:
     return Field(value, description="`staged`: each stage is its own job. `resident`: one job keeps the "
                  "trainer ranks, the vLLM generator and the reward workers up for the whole run and streams "
@@ -175,7 +183,7 @@ class ExecutorBase(Section):
     controller: SlurmResources = Field(SlurmResources(cpus_per_task=1, time_min=1440),
                                        description="Slurm resources of the controller job.")
     generate: SlurmResources = Field(SlurmResources(), description="Slurm resources of generate jobs.")
-    score: SlurmResources = Field(SlurmResources(), description="Slurm resources of score jobs.")
+    score: ScoreResources = Field(ScoreResources(), description="Slurm resources of score jobs.")
     update: SlurmResources = Field(SlurmResources(), description="Slurm resources of update jobs.")
 
 

@@ -128,11 +128,11 @@ def _calls(run: RunDir, exp: Experiment, stage: str, iteration: int | None) -> l
 
 
 def shards_to_run(run: RunDir, exp: Experiment, stage: str, iteration: int) -> list[tuple[int, int] | None]:
-    """The shards (i, n) of a stage still to commit (generate.engines = n > 1; hpcrl.shards), or
+    """The shards (i, n) of a stage still to commit (hpcrl.shards), or
     [None] for a stage that runs whole. When every shard is committed but the stage is not (its
     merge was interrupted), shard 0 again: it finds its shard committed and merges."""
-    n = exp.generate.engines
-    if stage_kinds.kind(stage).merge is None or n == 1:
+    n = stage_kinds.kind(stage).shards(exp)
+    if n == 1:
         return [None]
     todo = [(i, n) for i in range(n) if not commit.is_committed(run.shard_dir(iteration, stage, i, n))]
     return todo or [(0, n)]

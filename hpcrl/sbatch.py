@@ -58,8 +58,8 @@ def render(run: RunDir, exp: Experiment, role: str, iteration: int | None = None
     params = executors.slurm_parameters(exp, role, run.root.name, iteration)
     # what submitit adds to every job it submits: the pre-timeout signal and appending logs
     params["additional_parameters"].update(signal=f"USR2@{exp.executor.signal_delay_s}", open_mode="append")
-    shards = exp.generate.engines if role in stage_kinds.KINDS and stage_kinds.kind(role).merge else 1
-    if shards > 1:  # a task per engine, each committing its shard (hpcrl.shards)
+    shards = stage_kinds.kind(role).shards(exp) if role in stage_kinds.KINDS else 1
+    if shards > 1:  # a task per shard, each committing its own (hpcrl.shards)
         params["additional_parameters"]["array"] = f"0-{shards - 1}"
     env = job_env.job_environment(exp, role, executors.tasks_for(exp, role) if role != "controller" else 1)
     lines = directives(params, run.logs)

@@ -13,7 +13,7 @@ import re
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from hpcrl import rewards
+from hpcrl import rewards, shards
 from hpcrl.config import Experiment, RewardConfig
 from hpcrl.schemas import SAMPLE_KEYS
 from hpcrl.stage import Stage, StageContext
@@ -173,10 +173,35 @@ def score_stage(ctx: StageContext, pool=None) -> None:
     ctx.policy_version = commit.read_manifest(gen)["policy_version"]
     with ctx.timed("io"):
         rollouts = commit.read_table(gen, "rollouts", columns=INPUT_COLUMNS)
+    if ctx.shard:  # one of executor.score.tasks tasks: a contiguous part (hpcrl.shards)
+        start, stop = shards.part(rollouts.num_rows, *ctx.shard)
+        rollouts = rollouts.slice(start, stop - start)
     with ctx.timed("load"):
         sources, weights = stage_sources(ctx.exp.reward, pool)
     with ctx.timed("compute"):
         scores = score_for(ctx.exp, rollouts, sources, weights)
+    with ctx.timed("io"):
+        ctx.writer.write_table("scores", scores)
+    ctx.writer.metrics.update(metrics(rollouts, scores))
+
+
+def merge_shards(ctx: StageContext, shards_n: int) -> None:
+    """The score stage of ctx.iteration from its `shards_n` committed shards (hpcrl.shards): their
+    scores in order; the manifest lists them as its inputs."""
+    from hpcrl import commit
+
+    gen = ctx.input_dir(GENERATE)
+    ctx.policy_version = commit.read_manifest(gen)["policy_version"]
+    dirs = [ctx.run.shard_dir(ctx.iteration, SCORE, i, shards_n) for i in range(shards_n)]
+    with ctx.timed("io"):
+        rollouts = commit.read_table(gen, "rollouts", columns=INPUT_COLUMNS)
+        scores = pa.concat_tables([commit.read_table(d, "scores") for d in dirs])
+        ctx.parts = [commit.read_manifest(d) for d in dirs]
+        for d in dirs:
+            ctx.inputs[f"{d.parent.name}/{d.name}@{d.parent.parent.name}"] = commit.manifest_digest(d)
+    if scores.num_rows != rollouts.num_rows:
+        raise commit.CorruptOutputError(f"the shards of {ctx.run.stage_dir(ctx.iteration, SCORE)} scored "
+                                        f"{scores.num_rows} samples of {rollouts.num_rows}")
     with ctx.timed("io"):
         ctx.writer.write_table("scores", scores)
     ctx.writer.metrics.update(metrics(rollouts, scores))

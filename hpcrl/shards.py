@@ -1,11 +1,15 @@
-"""Shards of a generate stage (generate.engines = n): n vLLM engines, each sampling every n-th
-request of the iteration (`take`) and committing its rollouts as a shard under
-iter_K/generate.shards/ (hpcrl.rundir.RunDir.shard_dir); once every shard is committed, the stage
-commits their rollouts merged back into the order one engine writes (`merge`).
+"""Stages split over several tasks, each committing a shard under iter_K/<stage>.shards/
+(hpcrl.rundir.RunDir.shard_dir); once every shard is committed, the stage commits them merged.
 
-Every request carries its own seed (hpcrl.generation.sample) and a request's samples do not depend
-on which others share its batch, so the merged rollouts are those of one engine, whatever n: a run
-does not change with the number of engines it is given. No stage logic: pure functions.
+- generate (generate.engines = n): n vLLM engines, each sampling every n-th request of the
+  iteration (`take`); the stage's rollouts are theirs merged back into the order one engine writes
+  (`merge`). Every request carries its own seed (hpcrl.generation.sample) and a request's samples
+  do not depend on which others share its batch, so the rollouts are those of one engine whatever
+  n: a run does not change with the number of engines it is given.
+- score (executor.score.tasks = n): n tasks, each scoring a contiguous part of the rollouts
+  (`part`); the scores are theirs concatenated.
+
+No stage logic: pure functions.
 """
 
 from __future__ import annotations
@@ -58,3 +62,11 @@ def merge(tables: Sequence[pa.Table]) -> pa.Table:
     if extra:
         raise ValueError(f"shards 1.. hold {sorted(extra)} requests that shard 0 has none of")
     return pa.concat_tables(out) if out else tables[0]
+
+
+def part(rows: int, shard: int, shards: int) -> tuple[int, int]:
+    """[start, stop) of the rows shard `shard` of `shards` takes: contiguous, sizes differing by at
+    most one, in shard order."""
+    if not 0 <= shard < shards:
+        raise ValueError(f"shard {shard} of {shards}: expected 0 <= shard < {shards}")
+    return rows * shard // shards, rows * (shard + 1) // shards

@@ -28,6 +28,14 @@ class Kind:
     short: str = ""  # its column title in status tables
     samples_policy: bool = False  # reads the update that made the policy it samples with (hpcrl.plan)
     merge: str | None = None  # "module:function" merging its shards (it runs in shards: hpcrl.shards)
+    shards_key: str = ""  # the config key that says into how many shards it splits
+
+    def shards(self, exp) -> int:
+        """Into how many shards the stage splits in experiment `exp` (1: it runs whole)."""
+        value = exp
+        for name in self.shards_key.split(".") if self.shards_key else ():
+            value = getattr(value, name)
+        return value if self.shards_key else 1
 
     def inputs(self, iteration: int, version: int) -> list[tuple[int, str]]:
         """The (iteration, kind) stage outputs the stage of `iteration` reads; a stage that samples
@@ -60,8 +68,9 @@ def register(kind: Kind) -> Kind:
 
 
 register(Kind(GENERATE, "hpcrl.generation:GenerateStage", samples_policy=True, short="gen",
-              merge="hpcrl.generation:merge_shards"))
-register(Kind(SCORE, "hpcrl.scoring:ScoreStage", reads=((0, GENERATE),), short="score"))
+              merge="hpcrl.generation:merge_shards", shards_key="generate.engines"))
+register(Kind(SCORE, "hpcrl.scoring:ScoreStage", reads=((0, GENERATE),), short="score",
+              merge="hpcrl.scoring:merge_shards", shards_key="executor.score.tasks"))
 register(Kind(UPDATE, "hpcrl.update:UpdateStage", reads=((0, GENERATE), (0, SCORE), (-1, UPDATE)),
               on_trainers=True, short="update"))
 

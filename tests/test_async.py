@@ -121,10 +121,11 @@ def test_a_resident_async_run_commits_what_the_staged_one_does(staged_async, wri
     assert synced["sync/logp_diff"] < 1e-4 < synced["sync/update_shift"]
 
 
-def test_two_engines_commit_what_one_does(staged_async, write_experiment):
-    """pins (generate.engines, hpcrl.shards): shards that draw other prompts or seeds than one
-    engine, a merge out of one engine's order, or a stage committed before each of its shards."""
-    path = write_experiment("engines", generate={"engines": 2}, **ASYNC)
+def test_two_engines_and_two_score_tasks_commit_what_one_of_each_does(staged_async, write_experiment):
+    """pins (generate.engines, executor.score.tasks, hpcrl.shards): shards that draw other prompts
+    or seeds than one engine, a merge out of one engine's order, score parts that overlap, or a
+    stage committed before each of its shards."""
+    path = write_experiment("engines", generate={"engines": 2}, executor={"score": {"tasks": 2}}, **ASYNC)
     out = _submit(path)
     assert out.returncode == 0, out.stderr[-3000:]
     exp = config.load(path)
@@ -143,6 +144,8 @@ def test_two_engines_commit_what_one_does(staged_async, write_experiment):
         assert sum(t.num_rows for t in tables) == pq.read_metadata(stage / "rollouts.parquet").num_rows
         assert {f"generate.shards/{i}-of-2@iter_{k:06d}" for i in range(2)} <= set(manifest["inputs"])
         assert manifest["utilisation"]["devices"] == sum(m["utilisation"]["devices"] for m in shard_manifests)
+        scored = [pq.read_metadata(run.shard_dir(k, SCORE, i, 2) / "scores.parquet").num_rows for i in range(2)]
+        assert min(scored) > 0 and sum(scored) == pq.read_metadata(stage / "rollouts.parquet").num_rows
 
 
 def _kill_when_committed(proc: subprocess.Popen, stage_dir, timeout: float = 600) -> None:

@@ -98,6 +98,16 @@ def test_several_engines_are_refused_where_they_are_not_built(write_experiment, 
     config.load(write_experiment("one", generate={"engines": 1}, **overrides))
 
 
+def test_score_tasks_are_refused_in_the_resident_mode(write_experiment):
+    """pins: several score tasks accepted where the generator task's workers score alone."""
+    from hpcrl import config
+    from hpcrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"executor\.score\.tasks.*resident mode scores on its generator"):
+        config.load(write_experiment("tasks", executor={"mode": "resident", "score": {"tasks": 2}}))
+    assert config.load(write_experiment("staged", executor={"score": {"tasks": 2}})).executor.score.tasks == 2
+
+
 def _commit_shard(run, k: int, i: int, n: int, table: pa.Table, total_s: float) -> dict:
     from hpcrl import commit
 
@@ -140,3 +150,15 @@ def test_a_retry_runs_only_the_missing_shards_and_merges_when_none_is(tmp_path):
     assert {f"generate.shards/{i}-of-2@iter_000000" for i in range(2)} <= set(manifest["inputs"])
     assert manifest["policy_version"] == 0 and manifest["utilisation"]["devices"] == 2
     assert manifest["timings"]["compute"] == 2.5 and manifest["timings"]["total"] >= 5.0  # the slowest shard's
+
+
+def test_score_tasks_take_contiguous_parts_that_cover_the_rollouts_once():
+    """pins: parts that overlap or leave rows out when the rows do not divide evenly."""
+    for rows in (0, 1, 7, 64):
+        for n in (1, 2, 3, 5):
+            spans = [shards.part(rows, i, n) for i in range(n)]
+            assert spans[0][0] == 0 and spans[-1][1] == rows
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            assert max(b - a for a, b in spans) - min(b - a for a, b in spans) <= 1
+    with pytest.raises(ValueError):
+        shards.part(10, 2, 2)
