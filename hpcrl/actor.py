@@ -55,6 +55,8 @@ class Actor:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         model = policy_model.load_causal_lm(policy_path, dtype, exp.model.attn_implementation)
         self.attn_implementation = model.config._attn_implementation
+        if u.gradient_checkpointing:
+            policy_model.checkpoint_layers(model)
         k = moe.top_k(model.config)  # experts per token; None for a dense model
         self.router = moe.RouterTally(model, k) if k else None
         self.engine = trainer.make_engine(model, u.lr, exp, world_size, grad_accum, state_dir)
@@ -71,6 +73,11 @@ class Actor:
 
             initial = critic_path or exp.algorithm.critic.path or exp.model.path
             self.critic = Critic(exp, rank, world_size, initial, critic_state, grad_accum, self.pad_id)
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        """Whether the policy recomputes its layers in the backward pass (update.gradient_checkpointing)."""
+        return bool(getattr(self.engine.module, "is_gradient_checkpointing", False))
 
     @classmethod
     def for_version(cls, exp: Experiment, run, version: int, rank: int, world_size: int) -> Actor:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpcrl import advantages, batches, losses, trainer
+from hpcrl import advantages, batches, losses, policy_model, trainer
 from hpcrl.config import AlgorithmConfig, Experiment
 
 HEAD_FILE = "value_head.safetensors"
@@ -72,6 +72,8 @@ class Critic:
 
         self.exp, self.rank, self.world_size, self.pad_id = exp, rank, world_size, pad_id
         model = load_value_model(weights, getattr(torch, exp.model.dtype))
+        if exp.update.gradient_checkpointing:
+            policy_model.checkpoint_layers(model.backbone)
         self.engine = trainer.make_engine(model, exp.algorithm.critic.lr, exp, world_size, grad_accum,
                                           state_dir, "critic")
 

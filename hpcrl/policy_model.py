@@ -33,3 +33,9 @@ def load_causal_lm(path: str | Path, dtype, attn_implementation: str = "auto"):
     if attn_implementation == "auto":
         attn_implementation = attention_for(AutoConfig.from_pretrained(path))
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+
+
+def checkpoint_layers(model) -> None:
+    """Recompute each decoder layer in the backward pass (update.gradient_checkpointing); the
+    non-reentrant form, which needs no input that requires grad and keeps autograd's hooks."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -222,6 +222,7 @@ class Update:
                 state.control.save(ctx.writer.dir)
         ctx.writer.metrics.update(update_metrics(state.stats, ctx.timings["compute"]))
         ctx.notes["attn_implementation"] = self.actor.attn_implementation
+        ctx.notes["gradient_checkpointing"] = str(self.actor.gradient_checkpointing).lower()
         ctx.writer.metrics.update(state.metrics)
 
     def _price_kl(self, old: Rows, ref: Rows, metrics: dict) -> tuple[torch.Tensor, KLControl]:

@@ -88,6 +88,53 @@ def test_the_value_model_shares_prompts_too(tiny_task):
         torch.testing.assert_close(torch.tensor(s), torch.tensor(p), atol=2e-5, rtol=0)
 
 
+def test_gradient_checkpointing_gives_the_plain_logprobs_and_gradients(policy, tiny_task):
+    """update.gradient_checkpointing, the policy's and the value model's: pins a recompute that
+    runs another forward (dropout, a cache), or that leaves some layer's gradient out."""
+    import copy
+
+    from hpcrl.policy_model import checkpoint_layers
+
+    samples = _samples(policy.config.vocab_size)
+    rows = list(range(len(samples)))
+    weights = {i: [(-1.0) ** (i + t) * (1 + t) for t in range(len(r))] for i, r in enumerate(samples.response_ids)}
+    mb = collate(samples, rows, 0)
+    recomputing = copy.deepcopy(policy)  # the module's fixture stays as it is
+    checkpoint_layers(recomputing)
+    recomputing.train()
+    assert recomputing.is_gradient_checkpointing
+    plain_lp, plain_grads = _logprobs_and_grads(copy.deepcopy(policy).train(), mb, weights)
+    lp, grads = _logprobs_and_grads(recomputing, mb, weights)
+    assert lp == plain_lp
+    assert grads.keys() == plain_grads.keys() and len(grads) == len(list(policy.parameters()))
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    critic = load_value_model(tiny_task / "model", torch.float32)
+    torch.nn.init.normal_(critic.value_head.weight, std=0.1)
+    values = {}
+    for recompute in (False, True):
+        model = copy.deepcopy(critic).train()
+        if recompute:
+            checkpoint_layers(model.backbone)
+        out = response_outputs(model, mb, "values")
+        (out * mb.mask).sum().backward()
+        values[recompute] = (out.detach(), [p.grad.clone() for p in model.parameters()])
+    torch.testing.assert_close(values[True][0], values[False][0], atol=0, rtol=0)
+    for a, b in zip(values[True][1], values[False][1], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_gradient_checkpointing_needs_rows_run_whole(write_experiment):
+    """pins: checkpointing accepted with shared prompts, whose KV cache a recomputed layer loses."""
+    from hpcrl import config
+    from hpcrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"update\.gradient_checkpointing.*share_prompts = false"):
+        config.load(write_experiment("ckpt", update={"gradient_checkpointing": True}))
+    exp = config.load(write_experiment("ckpt", update={"gradient_checkpointing": True, "share_prompts": False}))
+    assert exp.update.gradient_checkpointing
+
+
 def test_mini_batches_keep_groups_together_in_a_seeded_random_order():
     groups = [g for g in range(8) for _ in range(4)]
     minis = trainer.split_mini_batches(groups, 2, seed=5, epoch=0)

@@ -194,8 +194,12 @@ def test_two_ranks_match_one_rank_and_export_reloads_exactly(write_experiment, o
 
 
 def test_shared_prompts_update_the_policy_as_whole_rows_do(write_experiment, one_rank):
-    """update.share_prompts (the default, in one_rank) against every row run whole."""
-    run = _run_update(write_experiment, "whole", zero_stage=2, world_size=1, share_prompts=False)
+    """update.share_prompts (the default, in one_rank) against every row run whole, with each layer
+    recomputed in the backward pass (update.gradient_checkpointing): the same update."""
+    run = _run_update(write_experiment, "whole", zero_stage=2, world_size=1, share_prompts=False,
+                      gradient_checkpointing=True)
+    notes = [commit.read_manifest(r.stage_dir(0, "update"))["notes"]["gradient_checkpointing"] for r in (run, one_rank)]
+    assert notes == ["true", "false"]
     stats = commit.read_table(run.stage_dir(0, "update"), "stats").to_pylist()
     shared = commit.read_table(one_rank.stage_dir(0, "update"), "stats").to_pylist()
     for a, b in zip(stats, shared, strict=True):
