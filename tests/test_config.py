@@ -1,6 +1,7 @@
 """Bad input is refused before any stage runs, with the file, the key and what was expected."""
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -234,3 +235,175 @@ def test_colocation_is_refused_with_asynchronous_generation(write_experiment):
     with pytest.raises(ConfigError, match=r"executor\.resident\.colocate: asynchronous generation"):
         config.load(path)
     config.load(write_experiment("sync", executor={"mode": "resident", "resident": {"colocate": True}}))
+
+
+_MINIMAL = {"model": {"path": "/m"}, "data": {"train": "/t.parquet"}}
+
+
+def _error(data: dict, source: str = "e.toml") -> str:
+    with pytest.raises(ConfigError) as err:
+        config.parse(data, source, Path("/"))
+    return str(err.value)
+
+
+def test_every_error_of_a_file_is_listed_at_its_key_and_section():
+    """pins: one line per error under "<file>: invalid config:", two spaces in; an unknown key names
+    its whole section ([algorithm.kl], not [algorithm]), or "the top level"; a key named like an
+    executor mode outside [executor] keeps its place; a section rule without a key of its own is
+    reported at the section."""
+    data = {**_MINIMAL, "nope": 1, "update": {"resident": True}, "algorithm": {"kl": {"nope": 2}}}
+    assert _error(data) == ("e.toml: invalid config:\n"
+                            "  algorithm.kl.nope: unknown key in [algorithm.kl]\n"
+                            "  update.resident: unknown key in [update]\n"
+                            "  nope: unknown key in the top level")
+    assert _error({**_MINIMAL, "reward": {"functions": []}}) == (
+        "e.toml: invalid config:\n  reward: no reward source: expected reward.functions, "
+        "reward.model.path or reward.http.url")
+
+
+def test_the_executor_is_told_apart_by_its_mode():
+    """pins: [executor] as a table is read as the variant its `mode` names (staged when left out); an
+    executor model is taken as the variant it is; anything else is refused as not a table."""
+    from hpcrl.config_jobs import ResidentConfig, ResidentExecutor, StagedExecutor
+
+    resident = config.Experiment.model_validate(
+        {**_MINIMAL, "executor": ResidentExecutor(resident=ResidentConfig(stall_s=5))})
+    assert isinstance(resident.executor, ResidentExecutor) and resident.executor.resident.stall_s == 5
+    staged = config.Experiment.model_validate({**_MINIMAL, "executor": StagedExecutor(max_retries=4)})
+    assert isinstance(staged.executor, StagedExecutor) and staged.executor.max_retries == 4
+    assert type(config.parse({**_MINIMAL, "executor": {}}, "e", Path("/")).executor) is StagedExecutor
+    assert _error({**_MINIMAL, "executor": "resident"}) == (
+        "e.toml: invalid config:\n  executor: Input should be a valid dictionary or instance of "
+        "StagedExecutor (got 'resident')")
+
+
+def test_executor_mode_has_the_documented_default_and_meaning():
+    """pins: the `executor.mode` field of each variant (made by config_jobs._mode when the module is
+    imported, so called here again): its default is the variant's mode, and its description is the
+    one docs/configuration.md gives for executor.mode."""
+    from hpcrl.config_jobs import ResidentExecutor, StagedExecutor, _mode
+
+    row = next(line for line in (Path(__file__).parents[1] / "docs" / "configuration.md")
+               .read_text().splitlines() if line.startswith("| `executor.mode` |"))
+    for mode in ("staged", "resident"):
+        field = _mode(mode)
+        assert field.default == mode and not field.is_required()
+        assert f"| `executor.mode` | `\"staged\"` | {field.description} One of " in row
+    assert (StagedExecutor().mode, ResidentExecutor().mode) == ("staged", "resident")
+
+
+def test_the_keys_resolved_against_the_config_file_are_the_path_keys():
+    """pins: which keys hold paths (config._path_fields, run at import for PATH_KEYS): every PathStr
+    key, nested sections included, each once, with its dotted prefix."""
+    from hpcrl.config_training import AlgorithmConfig
+
+    keys = ["run.runs_root", "model.path", "model.tokenizer", "data.train", "data.test",
+            "algorithm.critic.path", "reward.model.path"]
+    assert config._path_fields(config.Experiment) == keys
+    assert config.PATH_KEYS == keys
+    assert config._path_fields(AlgorithmConfig, "a.") == ["a.critic.path"]
+    assert config._path_fields(AlgorithmConfig) == ["critic.path"]
+
+
+def test_a_config_file_that_is_not_utf8_is_refused_with_the_byte(tmp_path):
+    """pins: a file that is not UTF-8 is refused naming the file and the offset of the first bad byte."""
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b'[run]\nname = "caf\xe9"\n')
+    with pytest.raises(ConfigError) as err:
+        config.load(path)
+    assert str(err.value) == f"{path}: not valid UTF-8 (byte 17): a config file is UTF-8 TOML"
+
+
+def test_a_config_file_is_read_as_utf8_whatever_the_locale(tmp_path):
+    """pins: config.load reads UTF-8 even where the locale's encoding is ASCII (LC_ALL=C without
+    Python's UTF-8 mode, as on some clusters). Runs the loader in a subprocess with that locale,
+    after loading the file here (so that mutation testing knows this test reaches config.load)."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "e.toml"
+    path.write_text('[model]\npath = "m"\n[data]\ntrain = "t.parquet"\nprompt_key = "Frage_ü"\n',
+                    encoding="utf-8")
+    assert config.load(path).data.prompt_key == "Frage_ü"
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    out = subprocess.run([sys.executable, "-c", "import sys; from hpcrl import config; "
+                          "print(ascii(config.load(sys.argv[1]).data.prompt_key))", str(path)],
+                         env=env, cwd=Path(config.__file__).parents[1], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ascii("Frage_ü")
+
+
+def test_set_assignments_are_toml_values_or_bare_strings():
+    """pins: `--set KEY=VALUE`: the key stripped, the value a TOML value (number, string, list, bool) or
+    else the raw text; no `=` or an empty key is refused naming the option and the item."""
+    assert config.parse_assignments([" update.lr =1e-5", "run.name=try-2", 'run.name="x = y"', "a.b=[1, 2]",
+                                     "c=true", "d="]) == {
+        "update.lr": 1e-5, "run.name": "x = y", "a.b": [1, 2], "c": True, "d": ""}
+    assert config.parse_assignments(["run.name=try-2"]) == {"run.name": "try-2"}
+    assert config.parse_assignments([]) == {}
+    for bad in ("update.lr", " =3"):
+        with pytest.raises(ConfigError) as err:
+            config.parse_assignments(["run.name=a", bad], "--override")
+        assert str(err.value) == (f"--override {bad!r}: expected KEY=VALUE, e.g. update.lr=1e-5 or "
+                                  "run.name=\"try-2\"")
+    with pytest.raises(ConfigError, match=r"^--set 'x': expected KEY=VALUE"):
+        config.parse_assignments(["x"])
+
+
+def test_overrides_fill_optional_sections_and_refuse_unknown_ones(monkeypatch, tmp_path):
+    """pins: an override may set a key of an optional section the config leaves out
+    ([algorithm.critic]); a key under a section that does not exist is refused naming the source;
+    errors of the result name the source; relative paths given by an override resolve against the
+    working directory."""
+    exp = config.parse(_MINIMAL, "e.toml", Path("/"))
+    ppo = config.with_overrides(exp, {"algorithm.name": "ppo", "algorithm.critic.lr": 1e-3}, "--set")
+    assert ppo.algorithm.critic.lr == 1e-3 and ppo.algorithm.critic.gamma == 1.0
+    with pytest.raises(ConfigError) as err:
+        config.with_overrides(exp, {"algorithm.nope.x": 1}, "e.toml with --set")
+    assert str(err.value) == "e.toml with --set: algorithm.nope.x: unknown key"
+    with pytest.raises(ConfigError) as err:
+        config.with_overrides(exp, {"update.lr": -1.0}, "e.toml with --set")
+    assert str(err.value).startswith("e.toml with --set: invalid config:\n  update.lr: ")
+    monkeypatch.chdir(tmp_path)
+    moved = config.with_overrides(exp, {"data.test": "sub/t.parquet"}, "--set")
+    assert moved.data.test == str(tmp_path / "sub" / "t.parquet") and moved.data.train == "/t.parquet"
+
+
+def test_an_override_to_staged_drops_the_resident_section():
+    """pins: overriding executor.mode to "staged" on a resident config drops [executor.resident]
+    (a resident run continued staged), unless the overrides set an executor.resident key too, which
+    is refused; other overrides of a resident config keep its [executor.resident]."""
+    from hpcrl.config_jobs import StagedExecutor
+
+    resident = config.parse({**_MINIMAL, "executor": {"mode": "resident", "resident": {"stall_s": 5}}}, "e",
+                            Path("/"))
+    staged = config.with_overrides(resident, {"executor.mode": "staged"}, "--set")
+    assert type(staged.executor) is StagedExecutor and "executor.resident.stall_s" not in config.flat(staged)
+    still = config.with_overrides(resident, {"update.lr": 0.5}, "--set")
+    assert still.executor.mode == "resident" and still.executor.resident.stall_s == 5
+    with pytest.raises(ConfigError, match=r"executor\.resident: only with executor\.mode = \"resident\""):
+        config.with_overrides(resident, {"executor.mode": "staged", "executor.resident.stall_s": 9}, "--set")
+
+
+def test_flat_keys_leave_sbatch_options_whole_and_absent_sections_out():
+    """pins: config.flat (MLflow params, resume diffs): dotted keys, an `extra` table of sbatch options
+    kept as one value, and no keys for sections the config leaves out (no None values)."""
+    exp = config.parse({**_MINIMAL, "executor": {"update": {"extra": {"exclude": "n3"}}}}, "e",
+                       Path("/"))
+    flat = config.flat(exp)
+    assert flat["executor.update.extra"] == {"exclude": "n3"} and flat["update.lr"] == 1e-5
+    assert "executor.update.extra.exclude" not in flat
+    assert None not in flat.values() and not any(k.startswith("algorithm.critic") for k in flat)
+
+
+def test_resume_conflicts_list_keys_on_either_side_only():
+    """pins: a resumed run's refused changes include keys that only one side has (a section that
+    came or went), each as "key: run has X, config has Y", sorted."""
+    exp = config.parse(_MINIMAL, "e", Path("/"))
+    ppo = config.with_overrides(exp, {"algorithm.name": "ppo"}, "--set")
+    conflicts = config.resume_conflicts(exp, ppo)
+    assert conflicts[0] == "algorithm.critic.gamma: run has None, config has 1.0"
+    assert conflicts[-1] == "algorithm.name: run has 'grpo', config has 'ppo'" and len(conflicts) == 7
+    assert config.resume_conflicts(ppo, exp)[0] == "algorithm.critic.gamma: run has 1.0, config has None"

@@ -129,3 +129,53 @@ def test_the_scratch_directory_is_private_and_never_another_users(tmp_path):
         os.chown(theirs, 12345, 12345)
         with pytest.raises(RuntimeError, match=r"belongs to another user \(uid 12345\)"):
             private_dir(theirs)
+
+
+def test_a_directory_that_is_not_a_run_is_refused_naming_the_source(tmp_path):
+    """pins: run.name naming a non-empty directory without experiment.toml is refused, with the
+    submitted file, the key and the directory; nothing is written into it."""
+    exp = _exp(tmp_path)
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError) as err:
+        runs.prepare(exp, "sub/e.toml")
+    assert str(err.value) == (f"sub/e.toml: run.name: {tmp_path / 'r'} exists and is not an hpcrl run (no "
+                              "experiment.toml); expected a new name, or the directory of a run")
+    assert [p.name for p in (tmp_path / "r").iterdir()] == ["notes.txt"]
+
+
+def test_a_failed_creation_leaves_no_run_behind(tmp_path, monkeypatch):
+    """pins: when writing a new run fails (a full disk, an interrupt), prepare removes what it wrote,
+    the directory too when it made it, and re-raises the failure."""
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(getpass, "getuser", full)
+    with pytest.raises(OSError, match="No space left"):
+        runs.prepare(_exp(tmp_path), "e.toml")
+    assert not (tmp_path / "r").exists()
+
+
+def test_discard_new_removes_only_what_prepare_and_the_first_submission_wrote(tmp_path):
+    """pins: discard_new removes experiment.toml, run.json, the jobs file and logs/ (those that exist),
+    then the directory if nothing else is in it; a file of the user's keeps it."""
+    for keep in (False, True):
+        run, _ = runs.prepare(_exp(tmp_path), "e.toml")
+        if keep:  # a first submission that got as far as a job, and a file of the user's
+            run.record_job("1", "controller", None)
+            (run.logs / "j1").mkdir(parents=True)
+            (run.root / "notes.txt").write_text("mine")
+        runs.discard_new(run)
+        assert sorted(p.name for p in run.root.iterdir()) == ["notes.txt"] if keep else not run.root.exists()
+
+
+def test_open_run_reads_the_frozen_config_or_refuses_a_non_run(tmp_path):
+    """pins: open_run gives the run directory and its frozen config; a directory without
+    experiment.toml is refused naming it."""
+    exp = _exp(tmp_path)
+    runs.prepare(exp, "e.toml")
+    run, frozen = runs.open_run(tmp_path / "r")
+    assert run.root == tmp_path / "r" and frozen == exp
+    with pytest.raises(ConfigError) as err:
+        runs.open_run(tmp_path)
+    assert str(err.value) == f"{tmp_path}: not an hpcrl run directory (no experiment.toml)"

@@ -40,7 +40,7 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name: (modules
     "dynamic_sampling": (("dynamic_sampling",), ("test_dynamic_sampling",)),
     "config": (("config", "config_section", "config_training", "config_jobs", "config_reference", "runs",
                 "plan", "stage_kinds"),
-               ("test_config", "test_plan", "test_run_creation", "test_docs")),
+               ("test_config", "test_plan", "test_run_creation", "test_docs", "test_stage_kinds")),
     "commit": (("commit", "stage"), ("test_commit",)),
     "replay": (("replay",), ("test_replay_verdicts",)),
     "weight_sync": (("weight_sync", "transports", "agreement"), ("test_weight_sync", "test_agreement")),
