@@ -124,7 +124,8 @@ def _calls(run: RunDir, exp: Experiment, stage: str, iteration: int | None) -> l
 
         return [ResidentCall(str(run.root))]
     module = stage_kinds.kind(stage).module
-    return [StageCall(module, str(run.root), iteration, shard) for shard in shards_to_run(run, exp, stage, iteration)]
+    return [StageCall(module, str(run.root), iteration, shard)
+            for shard in shards_to_run(run, exp, stage, iteration)]
 
 
 def shards_to_run(run: RunDir, exp: Experiment, stage: str, iteration: int) -> list[tuple[int, int] | None]:

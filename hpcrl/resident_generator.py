@@ -86,7 +86,8 @@ class Generator:
 
     def _next_stage(self) -> tuple[int, str] | None:
         """The next stage to run: the first uncommitted one, but for the updates already commanded."""
-        return next(((k, s) for k, s in self.progress.pending() if not (s == UPDATE and k in self.started)), None)
+        pending = self.progress.pending()
+        return next(((k, s) for k, s in pending if not (s == UPDATE and k in self.started)), None)
 
     def _hold(self, version: int) -> None:
         """The engine holds policy `version` for the next generation: the updates in flight up to

@@ -70,7 +70,8 @@ def render(run: RunDir, exp: Experiment, role: str, iteration: int | None = None
            "run_dir": repr(str(run.root)), "run_dir_q": shlex.quote(str(run.root))}
     if role in ("controller", "resident"):
         return _env().get_template(f"{role}.sbatch.j2").render(**ctx)
-    return _env().get_template("stage.sbatch.j2").render(stage=role, iteration=iteration, shards=shards, **ctx)
+    template = _env().get_template("stage.sbatch.j2")
+    return template.render(stage=role, iteration=iteration, shards=shards, **ctx)
 
 
 def write_all(run: RunDir, exp: Experiment, out: Path) -> list[Path]:

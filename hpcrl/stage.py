@@ -124,7 +124,8 @@ class OpenStage:
         run = RunDir.at(run_dir)
         exp = config.load(run.config_path)
         self.stage, self.iteration, self.rank, self.world_size = stage, iteration, rank, world_size
-        self.out = run.stage_dir(iteration, stage) if shard is None else run.shard_dir(iteration, stage, *shard)
+        self.out = (run.stage_dir(iteration, stage) if shard is None
+                    else run.shard_dir(iteration, stage, *shard))
         what = f"iteration {iteration}" + (f" shard {shard[0]} of {shard[1]}" if shard else "")
         self._sync = _dist_broadcast if world_size > 1 else (lambda v: v)
         self._locks = ExitStack()
@@ -173,7 +174,8 @@ class OpenStage:
                                      None if executor.kind == "slurm" else 0.0)  # Slurm's: from sacct
             if ctx.parts:  # merged from shards that ran side by side: the slowest one's time, all devices
                 slowest = max((m["timings"] for m in ctx.parts), key=lambda t: t["total"])
-                ctx.timings = {p: slowest.get(p, 0.0) + ctx.timings.get(p, 0.0) for p in {*slowest, *ctx.timings}}
+                phases = {*slowest, *ctx.timings}
+                ctx.timings = {p: slowest.get(p, 0.0) + ctx.timings.get(p, 0.0) for p in phases}
                 use = utilisation.combine([m["utilisation"] for m in ctx.parts])
             self.manifest = commit.commit(self.out, ctx.writer, {
                 "stage": self.stage,

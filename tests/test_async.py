@@ -144,7 +144,8 @@ def test_two_engines_and_two_score_tasks_commit_what_one_of_each_does(staged_asy
         assert sum(t.num_rows for t in tables) == pq.read_metadata(stage / "rollouts.parquet").num_rows
         assert {f"generate.shards/{i}-of-2@iter_{k:06d}" for i in range(2)} <= set(manifest["inputs"])
         assert manifest["utilisation"]["devices"] == sum(m["utilisation"]["devices"] for m in shard_manifests)
-        scored = [pq.read_metadata(run.shard_dir(k, SCORE, i, 2) / "scores.parquet").num_rows for i in range(2)]
+        scored = [pq.read_metadata(run.shard_dir(k, SCORE, i, 2) / "scores.parquet").num_rows
+                  for i in range(2)]
         assert min(scored) > 0 and sum(scored) == pq.read_metadata(stage / "rollouts.parquet").num_rows
 
 

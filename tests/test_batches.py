@@ -97,7 +97,8 @@ def test_gradient_checkpointing_gives_the_plain_logprobs_and_gradients(policy, t
 
     samples = _samples(policy.config.vocab_size)
     rows = list(range(len(samples)))
-    weights = {i: [(-1.0) ** (i + t) * (1 + t) for t in range(len(r))] for i, r in enumerate(samples.response_ids)}
+    weights = {i: [(-1.0) ** (i + t) * (1 + t) for t in range(len(r))]
+               for i, r in enumerate(samples.response_ids)}
     mb = collate(samples, rows, 0)
     recomputing = copy.deepcopy(policy)  # the module's fixture stays as it is
     checkpoint_layers(recomputing)
@@ -131,7 +132,8 @@ def test_gradient_checkpointing_needs_rows_run_whole(write_experiment):
 
     with pytest.raises(ConfigError, match=r"update\.gradient_checkpointing.*share_prompts = false"):
         config.load(write_experiment("ckpt", update={"gradient_checkpointing": True}))
-    exp = config.load(write_experiment("ckpt", update={"gradient_checkpointing": True, "share_prompts": False}))
+    whole = {"gradient_checkpointing": True, "share_prompts": False}
+    exp = config.load(write_experiment("ckpt", update=whole))
     assert exp.update.gradient_checkpointing
 
 

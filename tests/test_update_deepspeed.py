@@ -198,7 +198,8 @@ def test_shared_prompts_update_the_policy_as_whole_rows_do(write_experiment, one
     recomputed in the backward pass (update.gradient_checkpointing): the same update."""
     run = _run_update(write_experiment, "whole", zero_stage=2, world_size=1, share_prompts=False,
                       gradient_checkpointing=True)
-    notes = [commit.read_manifest(r.stage_dir(0, "update"))["notes"]["gradient_checkpointing"] for r in (run, one_rank)]
+    notes = [commit.read_manifest(r.stage_dir(0, "update"))["notes"]["gradient_checkpointing"]
+             for r in (run, one_rank)]
     assert notes == ["true", "false"]
     stats = commit.read_table(run.stage_dir(0, "update"), "stats").to_pylist()
     shared = commit.read_table(one_rank.stage_dir(0, "update"), "stats").to_pylist()

@@ -1,0 +1,114 @@
+#!/usr/bin/env python
+"""Memory and time of one update micro-batch at long sequence lengths, with and without the memory
+features (update.gradient_checkpointing), side by side in one run.
+
+    python tools/bench_memory.py [--lengths 1024,4096,16384] [--features plain,checkpointing]
+
+A ~10M-parameter Qwen2 (built here from a config, random weights; the tiny task's tokenizer size)
+runs the update's forward and backward (hpcrl.batches.collate and response_outputs, the policy
+loss's shape: a weighted sum of the response tokens' logprobs) on one sequence of the given
+length: a 16-token prompt and the rest response, rows whole. Each case runs in its own process;
+peak memory is that process's peak RSS (getrusage) on CPU, or torch's peak allocated on a GPU,
+and "over the model" subtracts what the process held once the model was built. Time per token is
+the forward and backward's wall time over the sequence's tokens (the median of --repeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=12, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512)
+PROMPT = 16
+
+
+def _rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def case(length: int, feature: str, repeats: int) -> dict:
+    """One (length, feature) in this process: peak memory and seconds per token."""
+    import time
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from hpcrl import batches
+    from hpcrl.policy_model import checkpoint_layers
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**SHAPE, max_position_embeddings=max(length, 2048), attn_implementation="sdpa")
+    gpu = torch.cuda.is_available()
+    model = Qwen2ForCausalLM(cfg).to("cuda" if gpu else "cpu").train()
+    if feature == "checkpointing":
+        checkpoint_layers(model)
+    ids = torch.randint(3, SHAPE["vocab_size"], (length,)).tolist()
+    samples = batches.Samples(None, [ids[:PROMPT]], [ids[PROMPT:]], [[0.0] * (length - PROMPT)],
+                              torch.zeros(1, dtype=torch.float64), torch.tensor([0]))
+    mb = batches.collate(samples, [0], 0).to(model.device)
+    base = torch.cuda.memory_allocated() / 2**20 if gpu else _rss_mb()
+    times = []
+    for _ in range(repeats):
+        model.zero_grad(set_to_none=True)
+        if gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        logits = batches.response_outputs(model, mb)
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, mb.targets[..., None])[..., 0]
+        (logp * mb.mask).sum().backward()
+        if gpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        del logits, logp
+    peak = torch.cuda.max_memory_allocated() / 2**20 if gpu else _rss_mb()
+    params = sum(p.numel() for p in model.parameters())
+    return {"peak_mb": peak, "over_model_mb": peak - base, "s_per_token": statistics.median(times) / length,
+            "params": params, "device": "gpu" if gpu else "cpu"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="1024,4096,16384")
+    parser.add_argument("--features", default="plain,checkpointing")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # "length,feature": run one case, print JSON
+    args = parser.parse_args()
+    if args.case:
+        length, feature = args.case.split(",")
+        print(json.dumps(case(int(length), feature, args.repeats)))
+        return
+    rows = []
+    for length in (int(x) for x in args.lengths.split(",")):
+        for feature in args.features.split(","):
+            print(f"length {length} {feature}", file=sys.stderr, flush=True)
+            out = subprocess.run([sys.executable, __file__, "--case", f"{length},{feature}",
+                                  "--repeats", str(args.repeats)], capture_output=True, text=True, cwd=REPO)
+            if out.returncode != 0:
+                raise SystemExit(out.stderr[-3000:])
+            rows.append((length, feature, json.loads(out.stdout.strip().splitlines()[-1])))
+    params = rows[0][2]["params"] / 1e6
+    print(f"one micro-batch of one sequence, forward + backward; {params:.1f}M parameters; "
+          f"{rows[0][2]['device']}; peak memory of the process")
+    print("| tokens | feature | peak MB | over the model MB | ms per 1k tokens | memory vs plain "
+          "| time vs plain |")
+    print("|---|---|---|---|---|---|---|")
+    plain = {length: r for length, feature, r in rows if feature == "plain"}
+    for length, feature, r in rows:
+        p = plain.get(length)
+        mem = f"{r['over_model_mb'] / p['over_model_mb']:.2f}x" if p else "-"
+        tim = f"{r['s_per_token'] / p['s_per_token']:.2f}x" if p else "-"
+        print(f"| {length} | {feature} | {r['peak_mb']:.0f} | {r['over_model_mb']:.0f} | "
+              f"{r['s_per_token'] * 1e6:.1f} | {mem} | {tim} |")
+
+
+if __name__ == "__main__":
+    main()
