@@ -79,6 +79,13 @@ class Actor:
         """Whether the policy recomputes its layers in the backward pass (update.gradient_checkpointing)."""
         return bool(getattr(self.engine.module, "is_gradient_checkpointing", False))
 
+    @property
+    def offload(self) -> str:
+        """What DeepSpeed keeps in CPU memory, as its engine was configured (update.offload)."""
+        e = self.engine
+        params = e.zero_offload_param() is not None and str(e.zero_offload_param().device).endswith("cpu")
+        return "all" if e.zero_cpu_offload() and params else "optimizer" if e.zero_cpu_offload() else "none"
+
     @classmethod
     def for_version(cls, exp: Experiment, run, version: int, rank: int, world_size: int) -> Actor:
         """The actor of policy `version` of `run`, its files checked against their manifest first."""

@@ -306,6 +306,12 @@ class UpdateConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage. Stages 1 and 2 run as 0 "
                                             "when update.world_size is 1: they partition over data-parallel "
                                             "ranks, and one rank has nothing to partition.")
+    offload: Literal["none", "optimizer", "all"] = Field(
+        "none", description="Keep state in CPU memory instead of the GPU's (DeepSpeed's ZeRO-Offload): "
+        "`optimizer`: the AdamW moments and the float32 master weights, stepped on the CPU (the update runs "
+        "as ZeRO stage 2, or 3 if asked, on any number of ranks); `all`: the parameters too (zero_stage = 3 "
+        "only). The optimizer stays torch's AdamW, so the update is the plain one; slower where the "
+        "optimizer step or moving the parameters dominates.")
     world_size: int = Field(1, ge=1, description="DeepSpeed ranks for the update (processes on this node).")
     moe_aux_loss_coef: float = Field(
         0.0, ge=0, description="Mixture-of-experts models: weight of the router's load-balancing loss "
@@ -318,6 +324,14 @@ class UpdateConfig(Section):
         "trainer would train a model other than the one generating. 0: 1e-3 for float32 weights, 5e-2 "
         "otherwise. Not checked with algorithm.old_logprobs = \"sampler\" or generate.top_p < 1 (vLLM's "
         "logprobs are then renormalised over the nucleus).")
+
+    @model_validator(mode="after")
+    def _offload_params_under_zero_3(self) -> UpdateConfig:
+        if self.offload == "all" and self.zero_stage != 3:
+            raise Rule("offload", f"\"all\" offloads the parameters, which only ZeRO stage 3 partitions; "
+                                  f"expected zero_stage = 3 (got {self.zero_stage}), or offload = "
+                                  "\"optimizer\"")
+        return self
 
     @model_validator(mode="after")
     def _checkpointing_runs_rows_whole(self) -> UpdateConfig:

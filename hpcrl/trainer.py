@@ -27,8 +27,11 @@ def zero_stage(exp: Experiment, world_size: int) -> int:
     rank. They partition optimizer state and gradients over the data-parallel ranks; with one rank
     there is nothing to partition, and ZeRO-2's gradient buckets cost 13% of a 99M update on CPU.
     bf16 runs at least stage 1: DeepSpeed's stage 0 keeps no fp32 master weights and cannot
-    accumulate gradients in fp32 (its bf16 optimizer, with both, is stage 1's)."""
+    accumulate gradients in fp32 (its bf16 optimizer, with both, is stage 1's). With
+    update.offload, stage 2 (or 3): the stages whose optimizer steps on the CPU."""
     stage = exp.update.zero_stage
+    if exp.update.offload != "none":  # ZeRO-Offload: the optimizer of stage 2 (or 3) on any number of ranks
+        return 3 if stage == 3 else 2
     if exp.model.dtype == "bfloat16":
         return 1 if stage < 2 or (world_size == 1 and stage == 2) else stage
     return 0 if world_size == 1 and stage in (1, 2) else stage
@@ -42,7 +45,9 @@ def ds_config(exp: Experiment, world_size: int, grad_accum: int) -> dict:
         "train_batch_size": u.micro_batch_size * grad_accum * world_size,
         "gradient_clipping": u.grad_clip,
         "zero_optimization": {"stage": zero_stage(exp, world_size),
-                              "stage3_gather_16bit_weights_on_model_save": True},
+                              "stage3_gather_16bit_weights_on_model_save": True, **_offload(exp)},
+        # torch's AdamW on the offloaded state too (not DeepSpeedCPUAdam): the same update, nothing to compile
+        **({"zero_force_ds_cpu_optimizer": False} if u.offload != "none" else {}),
         "bf16": {"enabled": exp.model.dtype == "bfloat16"},
         # bf16 weights, fp32 gradient accumulation (and master weights): small updates do not vanish
         **({"data_types": {"grad_accum_dtype": "fp32"}} if exp.model.dtype == "bfloat16" else {}),
@@ -50,6 +55,13 @@ def ds_config(exp: Experiment, world_size: int, grad_accum: int) -> dict:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
+
+
+def _offload(exp: Experiment) -> dict:
+    """zero_optimization's offload entries for update.offload (pinned host memory on GPUs)."""
+    where = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {"offload_optimizer": where, **({"offload_param": where} if exp.update.offload == "all" else {})} \
+        if exp.update.offload != "none" else {}
 
 
 def make_engine(model, lr: float, exp: Experiment, world_size: int, grad_accum: int, state_dir: Path | None,

@@ -223,6 +223,7 @@ class Update:
         ctx.writer.metrics.update(update_metrics(state.stats, ctx.timings["compute"]))
         ctx.notes["attn_implementation"] = self.actor.attn_implementation
         ctx.notes["gradient_checkpointing"] = str(self.actor.gradient_checkpointing).lower()
+        ctx.notes["offload"] = self.actor.offload
         ctx.writer.metrics.update(state.metrics)
 
     def _price_kl(self, old: Rows, ref: Rows, metrics: dict) -> tuple[torch.Tensor, KLControl]:

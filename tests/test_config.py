@@ -407,3 +407,17 @@ def test_resume_conflicts_list_keys_on_either_side_only():
     assert conflicts[0] == "algorithm.critic.gamma: run has None, config has 1.0"
     assert conflicts[-1] == "algorithm.name: run has 'grpo', config has 'ppo'" and len(conflicts) == 7
     assert config.resume_conflicts(ppo, exp)[0] == "algorithm.critic.gamma: run has 1.0, config has None"
+
+
+def test_offloading_the_parameters_needs_zero_3(write_experiment):
+    """pins: update.offload = "all" accepted where no ZeRO stage partitions the parameters."""
+    with pytest.raises(ConfigError, match=r'update\.offload.*"all" offloads the parameters.*got 2'):
+        config.load(write_experiment("offload", update={"offload": "all"}))
+    exp = config.load(write_experiment("offload3", update={"offload": "all", "zero_stage": 3}))
+    assert exp.update.offload == "all"
+    from hpcrl import trainer
+
+    exp = config.load(write_experiment("offload1", update={"offload": "optimizer", "zero_stage": 0}))
+    assert trainer.zero_stage(exp, 1) == 2  # the stage whose optimizer steps on the CPU, even on one rank
+    zero = trainer.ds_config(exp, 1, 1)["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == "cpu" and "offload_param" not in zero

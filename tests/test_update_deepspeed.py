@@ -215,6 +215,25 @@ def test_shared_prompts_update_the_policy_as_whole_rows_do(write_experiment, one
     assert diffs.max() < 0.5 * lr and diffs.mean() < 1e-3 * lr
 
 
+@pytest.mark.parametrize(("offload", "zero_stage"), [("optimizer", 2), ("all", 3)])
+def test_an_offloaded_update_is_the_plain_update(write_experiment, one_rank, offload, zero_stage):
+    """update.offload (DeepSpeed's ZeRO-Offload: the optimizer state, with "all" the parameters too,
+    in CPU memory, stepped by the same AdamW) against the plain update of one_rank. pins: a setting
+    that never reaches DeepSpeed's config, or an offloaded step that is another optimizer's."""
+    run = _run_update(write_experiment, f"offload-{offload}", zero_stage=zero_stage, world_size=1,
+                      offload=offload)
+    assert [commit.read_manifest(r.stage_dir(0, "update"))["notes"]["offload"]
+            for r in (run, one_rank)] == [offload, "none"]
+    stats = commit.read_table(run.stage_dir(0, "update"), "stats").to_pylist()
+    plain = commit.read_table(one_rank.stage_dir(0, "update"), "stats").to_pylist()
+    for a, b in zip(stats, plain, strict=True):
+        assert a["pg_loss"] == pytest.approx(b["pg_loss"], rel=1e-5, abs=1e-7)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    lr = config.load(run.config_path).update.lr
+    diffs = torch.cat([(w - _weights(one_rank)[k]).abs().flatten() for k, w in _weights(run).items()])
+    assert diffs.max() < 0.5 * lr and diffs.mean() < 1e-3 * lr
+
+
 def test_update_records_advantages_and_logprob_mismatch(one_rank):
     d = one_rank.stage_dir(0, "update")
     m = commit.read_manifest(d)
