@@ -13,9 +13,7 @@ from __future__ import annotations
 
 from hpcrl import slurm
 
-# Job states (sacct) in which a job will still run or is running.
-LIVE = frozenset({"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING",
-                  "COMPLETING", "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT"})
+LIVE = slurm.LIVE
 
 
 def latest_jobs(records: list[dict]) -> dict[tuple[int | None, str], dict]:

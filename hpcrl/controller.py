@@ -170,7 +170,7 @@ class Controller:
                         inputs = set(plan.inputs(self.exp, k, stage))
                         after = [j for j in queue if (j.iteration, j.stage) in inputs]
                         queue.append(executor.submit(stage, k, after=after))
-                        self.run.record_job(queue[-1].job_id, stage, k)
+                        self.run.record_job(queue[-1].job_id, stage, k, queue[-1].array)
                 head = queue.pop(0)
                 _wait(head, self.show_progress)
                 if (head.error() is None
@@ -200,7 +200,7 @@ class Controller:
         for r in adopt:
             self.echo(f"iter {r['iteration']} {r['role']}: job {r['job_id']} of an earlier controller is "
                       "still queued or running; waiting for it (not submitted again)")
-        return [executor.adopt(r["job_id"], r["role"], r["iteration"]) for r in adopt]
+        return [executor.adopt(r["job_id"], r["role"], r["iteration"], r.get("array", 0)) for r in adopt]
 
     def _resident_job(self, executor) -> executors.StageJob:
         """The live resident job an earlier controller submitted, or a new one."""

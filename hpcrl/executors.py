@@ -189,6 +189,11 @@ class StageJob:
     def job_id(self) -> str:
         return str(self.job.job_id)
 
+    @property
+    def array(self) -> int:
+        """The tasks of a job array (a stage's shards); 0 for a plain job."""
+        return len(self.job.jobs) if isinstance(self.job, ArrayJob) else 0
+
     def done(self) -> bool:
         return self.job.done()
 
@@ -263,11 +268,15 @@ class SlurmExecutor:
         ex = submitit_executor(self.run, self.exp, stage, iteration, [job.job_id for job in after])
         return StageJob(submit_all(ex, _calls(self.run, self.exp, stage, iteration)), stage, iteration)
 
-    def adopt(self, job_id: str, stage: str, iteration: int | None) -> StageJob:
-        """A job submitted earlier (by a controller before this one), followed as if submitted now."""
-        job = submitit.SlurmJob(folder=self.run.logs / "%j", job_id=job_id,
-                                tasks=range(tasks_for(self.exp, stage)))
-        return StageJob(job, stage, iteration)
+    def adopt(self, job_id: str, stage: str, iteration: int | None, array: int = 0) -> StageJob:
+        """A job submitted earlier (by a controller before this one), followed as if submitted now;
+        `array`: its tasks, for a job array (a stage's shards)."""
+        def job(jid: str):
+            return submitit.SlurmJob(folder=self.run.logs / "%j", job_id=jid,
+                                     tasks=range(tasks_for(self.exp, stage)))
+
+        return StageJob(ArrayJob([job(f"{job_id}_{i}") for i in range(array)]) if array else job(job_id),
+                        stage, iteration)
 
     def cancel(self, job_id: str) -> None:
         submitit.SlurmJob(folder=self.run.logs / "%j", job_id=job_id).cancel(check=False)

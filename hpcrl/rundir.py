@@ -203,13 +203,14 @@ class RunDir:
     def jobs_file(self) -> Path:
         return self.root / "jobs.jsonl"
 
-    def record_job(self, job_id: str, role: str, iteration: int | None) -> None:
-        """Append a submitted job to jobs.jsonl (for status and cancel)."""
+    def record_job(self, job_id: str, role: str, iteration: int | None, array: int = 0) -> None:
+        """Append a submitted job to jobs.jsonl (for status, cancel and a restarted controller);
+        `array`: the tasks of a job array (a stage's shards), 0 for a plain job."""
         import time
 
         with open(self.jobs_file, "a") as f:
             f.write(json.dumps({"job_id": job_id, "role": role, "iteration": iteration,
-                                "submitted": time.time()}) + "\n")
+                                "submitted": time.time(), **({"array": array} if array else {})}) + "\n")
 
     def jobs(self) -> list[dict]:
         if not self.jobs_file.is_file():

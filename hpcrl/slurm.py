@@ -6,6 +6,9 @@ import datetime
 import subprocess
 
 FIELDS = ("JobID", "State", "Submit", "Start", "Elapsed", "NodeList", "NNodes", "AllocTRES", "Eligible")
+# Job states (sacct) in which a job will still run or is running.
+LIVE = frozenset({"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING",
+                  "COMPLETING", "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT"})
 
 
 def _seconds(a: str, b: str) -> str:
@@ -22,13 +25,19 @@ def accounting(job_ids: list[str]) -> dict[str, dict[str, str]]:
         return {}
     out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(job_ids), "-o", ",".join(FIELDS)],
                          capture_output=True, text=True, timeout=30)
-    rows = {}
+    rows: dict[str, dict[str, str]] = {}
+    arrays: dict[str, list[dict[str, str]]] = {}
     for line in out.stdout.splitlines():
         values = dict(zip(FIELDS, line.split("|"), strict=False))
         rows[values["JobID"]] = values
         leader, plus, _ = values["JobID"].partition("+")  # a heterogeneous job's component: "<id>+<n>"
         if plus and leader not in rows:
             rows[leader] = values  # the job itself: its first component
+        leader, underscore, _ = values["JobID"].partition("_")  # an array's task "<id>_<n>", or "<id>_[a-b]"
+        if underscore:
+            arrays.setdefault(leader, []).append(values)
+    for leader, tasks in arrays.items():  # the array itself: a task still alive if there is one
+        rows.setdefault(leader, next((t for t in tasks if t["State"].split(" ")[0] in LIVE), tasks[-1]))
     return rows
 
 

@@ -50,6 +50,14 @@ def package_versions() -> dict[str, str]:
     return out
 
 
+def job_id() -> str | None:
+    """This process's job as sacct names it ("<array>_<task>" for a task of a job array)."""
+    env = os.environ
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return env.get("SLURM_JOB_ID") or env.get("SUBMITIT_LOCAL_JOB_ID")
+
+
 def process_age() -> float:
     """Seconds since this process was created (interpreter start and imports included)."""
     try:
@@ -189,7 +197,7 @@ class OpenStage:
                 "host": socket.gethostname(),
                 "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
                 "world_size": self.world_size,
-                "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
+                "job_id": job_id(),
                 "utilisation": use,
                 **({"shard": list(ctx.shard)} if ctx.shard else {}),
             })

@@ -46,6 +46,8 @@ def test_a_live_resident_job_is_followed():
 class FakeJob:
     """A stage job whose stage commits when it is first polled (its output is put back in place)."""
 
+    array = 0  # a plain job, not a job array
+
     def __init__(self, stage: str, iteration: int, saved, run):
         self.stage, self.iteration, self.job_id = stage, iteration, f"{stage}-{iteration}"
         self._saved, self._run = saved, run
@@ -71,13 +73,15 @@ class FakeSlurm:
     def __init__(self, saved, run):
         self.saved, self.run = saved, run
         self.submitted, self.adopted, self.cancelled = [], [], []
+        self.arrays = {}  # (iteration, stage): the tasks of an adopted job array
 
     def submit(self, stage, iteration, after=None):
         self.submitted.append((iteration, stage))
         return FakeJob(stage, iteration, self.saved, self.run)
 
-    def adopt(self, job_id, stage, iteration):
+    def adopt(self, job_id, stage, iteration, array=0):
         self.adopted.append((iteration, stage))
+        self.arrays[(iteration, stage)] = array
         return FakeJob(stage, iteration, self.saved, self.run)
 
     def cancel(self, job_id):
@@ -96,8 +100,9 @@ def test_a_restarted_controller_submits_nothing_its_predecessor_left_queued(tmp_
         shutil.move(run.stage_dir(k, stage), saved / f"{k}-{stage}")
     pending = plan.pending_stages(run, exp)
     assert pending[:2] == [(1, "generate"), (1, "score")]
-    # the earlier controller's jobs: generate 1 running, score 1 queued behind it
-    run.record_job("101", "generate", 1)
+    # the earlier controller's jobs: generate 1 running (a job array of its two shards), score 1
+    # queued behind it
+    run.record_job("101", "generate", 1, array=2)
     run.record_job("102", "score", 1)
     states = {"101": "RUNNING", "102": "PENDING"}
     monkeypatch.setattr(adoption, "states_of", lambda records: {r["job_id"]: states[r["job_id"]]
@@ -107,6 +112,7 @@ def test_a_restarted_controller_submits_nothing_its_predecessor_left_queued(tmp_
     lines: list[str] = []
     Controller(run, exp, echo=lines.append, show_progress=False).run_all()
     assert fake.adopted == [(1, "generate"), (1, "score")]
+    assert fake.arrays == {(1, "generate"): 2, (1, "score"): 0}  # the array followed task by task
     assert fake.submitted == pending[2:] and fake.cancelled == []
     assert not plan.pending_stages(run, exp)
     assert any("job 101 of an earlier controller is still queued or running" in line for line in lines)
@@ -134,3 +140,22 @@ def test_controller_and_resident_jobs_run_one_at_a_time(write_experiment):
     for role in ("controller", "resident"):
         assert executors.slurm_parameters(exp, role, "single")["dependency"] == "singleton"
     assert "dependency" not in executors.slurm_parameters(exp, "generate", "single")
+
+
+def test_sacct_gives_a_job_array_the_state_of_a_task_still_alive(monkeypatch):
+    """pins: an array (a sharded stage) that sacct lists only task by task ("7_0", "7_1", or
+    "7_[2-3]" while pending) read as unknown, so a restarted controller submits it again."""
+    import subprocess
+
+    from hpcrl import slurm
+
+    lines = {"done": ["7_0|COMPLETED", "7_1|COMPLETED"], "one left": ["7_0|COMPLETED", "7_1|RUNNING"],
+             "pending": ["7_[0-1]|PENDING"], "plain": ["8|RUNNING"]}
+    for case, rows in lines.items():
+        out = "\n".join(r + "|" * (len(slurm.FIELDS) - 2) for r in rows)
+        monkeypatch.setattr(subprocess, "run",
+                            lambda *a, out=out, **k: subprocess.CompletedProcess(a, 0, out, ""))
+        states = {k: v["State"] for k, v in slurm.accounting(["7", "8"]).items()}
+        expected = {"done": "COMPLETED", "one left": "RUNNING", "pending": "PENDING"}.get(case)
+        assert states.get("7") == expected, case
+    assert states == {"8": "RUNNING"}

@@ -168,8 +168,8 @@ def test_a_stale_update_is_corrected_and_not_refused(write_experiment, monkeypat
     exp = config.load(write_experiment("stale", algorithm={"max_staleness": 1}, run={"iterations": 2}))
     run, _ = runs.prepare(exp, "stale")
     _commit_stale_inputs(run, exp)
-    monkeypatch.setattr(executors, "_call", lambda run, stage, it: WeightsOnlyUpdate(
-        "stages.update", str(run.root), it))
+    monkeypatch.setattr(executors, "_calls", lambda run, exp, stage, it: [WeightsOnlyUpdate(
+        "stages.update", str(run.root), it)])
     executors.LocalExecutor(run, exp).submit("update", 1).job.results()
     d = run.stage_dir(1, "update")
     assert commit.is_committed(d)

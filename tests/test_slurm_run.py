@@ -314,8 +314,15 @@ def test_two_generate_shards_run_on_two_nodes_and_commit_what_one_engine_does(ru
     for stage in ("generate", "score"):  # iteration 0 is the same in the two-iteration reference
         assert (commit.read_manifest(run.stage_dir(0, stage))["files"]
                 == commit.read_manifest(local_ref.stage_dir(0, stage))["files"]), stage
-    arrays = [j["job_id"] for j in run.jobs() if j["role"] == "generate"]
+    records = [j for j in run.jobs() if j["role"] == "generate"]
+    assert [j.get("array") for j in records] == [2, 2]  # what a restarted controller adopts
+    arrays = [j["job_id"] for j in records]
     assert len(arrays) == 2  # iteration 0 and the final validation, one array each
+    from hpcrl import slurm
+
+    assert slurm.accounting([arrays[0]])[arrays[0]]["State"] == "COMPLETED"
+    merged_by = commit.read_manifest(run.stage_dir(0, "generate"))["job_id"]  # the task that merged
+    assert merged_by in (f"{arrays[0]}_0", f"{arrays[0]}_1"), merged_by
     for array in arrays:
         rows = [r for r in _sacct_ended([array]) if not r["JobID"].endswith("]")]
         assert sorted(r["JobID"] for r in rows) == [f"{array}_0", f"{array}_1"], rows

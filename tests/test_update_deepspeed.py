@@ -162,8 +162,8 @@ def test_two_ranks_match_one_rank_and_export_reloads_exactly(write_experiment, o
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(executors, "_call", lambda run, stage, it: ViewDumpingUpdate(
-        "stages.update", str(run.root), it))
+    monkeypatch.setattr(executors, "_calls", lambda run, exp, stage, it: [ViewDumpingUpdate(
+        "stages.update", str(run.root), it)])
     run = _run_update(write_experiment, f"z{zero_stage}", zero_stage=zero_stage, world_size=2)
     # the sync's view of the sharded policy is exactly the saved checkpoint
     view = load_file(run.root / "view.safetensors")
@@ -247,7 +247,7 @@ def test_update_records_advantages_and_logprob_mismatch(one_rank):
     # recorded mismatch is float rounding, and the trainer's attention implementation is on record
     assert 0 < m["metrics"]["rollout/logprob_diff_mean"] < 1e-5
     assert m["metrics"]["rollout/logprob_diff_max"] < 1e-4 and abs(m["metrics"]["rollout/sampler_kl"]) < 1e-8
-    assert m["notes"] == {"attn_implementation": "sdpa"}
+    assert m["notes"] == {"attn_implementation": "sdpa", "gradient_checkpointing": "false", "offload": "none"}
     assert m["policy_version"] == 1 and m["inputs"]
 
 
