@@ -77,6 +77,10 @@ class Experiment(Section):
         if self.generate.engines > 1 and ex.mode == "resident":
             raise Rule("generate.engines", "the resident mode runs one vLLM engine; expected engines = 1, "
                        "or executor.mode = \"staged\"")
+        if self.generate.engines > self.algorithm.prompts_per_iteration:
+            raise Rule("generate.engines", f"each engine samples whole groups (every engines-th prompt); "
+                       f"expected at most algorithm.prompts_per_iteration = "
+                       f"{self.algorithm.prompts_per_iteration} engines, got {self.generate.engines}")
         if self.generate.engines > 1 and self.algorithm.dynamic_sampling:
             raise Rule("generate.engines", "dynamic sampling draws its rounds over the whole batch in one "
                        "engine; expected engines = 1, or algorithm.dynamic_sampling = false")

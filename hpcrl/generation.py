@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from hpcrl import commit, data, dynamic_sampling, plan, scoring, shards
+from hpcrl import commit, data, dynamic_sampling, plan, schemas, scoring, shards
 from hpcrl.config import Experiment
 from hpcrl.stage import Stage, StageContext
 from hpcrl.stage_kinds import GENERATE, UPDATE
@@ -226,14 +226,15 @@ def generate(ctx, llm, version: int, pool=None, await_policy: Callable[[], None]
     if val:
         with ctx.timed("compute"):
             tables.append(sample(llm, list(val), 1, 0.0, 1.0, g.max_tokens, ctx.seed, k, version))
-    rollouts = pa.concat_tables(tables)
+    # none only for a shard of the final iteration with no validation prompt of its own
+    rollouts = pa.concat_tables(tables) if tables else schemas.ROLLOUTS.empty_table()
     if version > 0 and await_policy is not None:
         with ctx.timed("wait"):
             await_policy()
         ctx.input_dir(UPDATE, version - 1)
     with ctx.timed("io"):
         ctx.writer.write_table("rollouts", rollouts)
-    ctx.writer.metrics.update(rollout_metrics(rollouts, ctx.timings["compute"]))
+    ctx.writer.metrics.update(rollout_metrics(rollouts, ctx.timings.get("compute", 0.0)))
 
 
 def merge_shards(ctx, shards_n: int) -> None:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -87,8 +88,11 @@ def staged_async(tmp_path_factory, tiny_task) -> RunDir:
     return RunDir.at(config.load(path).run_dir)
 
 
-def _same_outputs(a: RunDir, b: RunDir, exp) -> None:
+def _same_outputs(a: RunDir, b: RunDir, exp, iterations: int | None = None) -> None:
+    """The same tables in every stage (of the first `iterations` iterations)."""
     for k, stage in plan.all_stages(exp):
+        if iterations is not None and k >= iterations:
+            continue
         for table in {GENERATE: ("rollouts",), SCORE: ("scores",), UPDATE: ("stats", "advantages")}[stage]:
             ta, tb = (pq.read_table(r.stage_dir(k, stage) / f"{table}.parquet") for r in (a, b))
             assert ta.equals(tb), (k, stage, table)
@@ -123,15 +127,23 @@ def test_a_resident_async_run_commits_what_the_staged_one_does(staged_async, wri
 
 def test_two_engines_and_two_score_tasks_commit_what_one_of_each_does(staged_async, write_experiment):
     """pins (generate.engines, executor.score.tasks, hpcrl.shards): shards that draw other prompts
-    or seeds than one engine, a merge out of one engine's order, score parts that overlap, or a
-    stage committed before each of its shards."""
-    path = write_experiment("engines", generate={"engines": 2}, executor={"score": {"tasks": 2}}, **ASYNC)
+    or seeds than one engine, a merge out of one engine's order, score parts that overlap, a shard
+    with no request that fails (the final validation of one prompt over two engines), or a stage
+    committed before each of its shards."""
+    path = write_experiment("engines", generate={"engines": 2}, executor={"score": {"tasks": 2}},
+                            data={"max_val_prompts": 1}, **ASYNC)
     out = _submit(path)
     assert out.returncode == 0, out.stderr[-3000:]
     exp = config.load(path)
     run = RunDir.at(exp.run_dir)
-    _same_outputs(staged_async, run, exp)
-    for k in range(exp.run.iterations + 1):
+    last = exp.run.iterations
+    _same_outputs(staged_async, run, exp, iterations=last)  # the training iterations
+    for stage, table in ((GENERATE, "rollouts"), (SCORE, "scores")):  # the one validation prompt's rows
+        ref = pq.read_table(staged_async.stage_dir(last, stage) / f"{table}.parquet")
+        first = ref.filter(pc.equal(ref["prompt_index"], 0))
+        mine = pq.read_table(run.stage_dir(last, stage) / f"{table}.parquet")
+        assert first.num_rows == 1 and mine.equals(first)
+    for k in range(last + 1):
         stage = run.stage_dir(k, GENERATE)
         manifest = commit.read_manifest(stage)
         parts = [run.shard_dir(k, GENERATE, i, 2) for i in range(2)]
@@ -140,13 +152,14 @@ def test_two_engines_and_two_score_tasks_commit_what_one_of_each_does(staged_asy
         assert all(m["committed_at"] < manifest["committed_at"] for m in shard_manifests)
         tables = [pq.read_table(d / "rollouts.parquet") for d in parts]
         prompts = [set(t["prompt_index"].to_pylist()) for t in tables]
-        assert prompts[0] and prompts[1] and not prompts[0] & prompts[1], k
-        assert sum(t.num_rows for t in tables) == pq.read_metadata(stage / "rollouts.parquet").num_rows
+        assert prompts[0] and (prompts[1] or k == last) and not prompts[0] & prompts[1], k
+        rows = pq.read_metadata(stage / "rollouts.parquet").num_rows
+        assert sum(t.num_rows for t in tables) == rows
         assert {f"generate.shards/{i}-of-2@iter_{k:06d}" for i in range(2)} <= set(manifest["inputs"])
         assert manifest["utilisation"]["devices"] == sum(m["utilisation"]["devices"] for m in shard_manifests)
         scored = [pq.read_metadata(run.shard_dir(k, SCORE, i, 2) / "scores.parquet").num_rows
                   for i in range(2)]
-        assert min(scored) > 0 and sum(scored) == pq.read_metadata(stage / "rollouts.parquet").num_rows
+        assert sum(scored) == rows and (min(scored) > 0 or k == last), (k, scored)
 
 
 def _kill_when_committed(proc: subprocess.Popen, stage_dir, timeout: float = 600) -> None:

@@ -84,7 +84,19 @@ def test_a_sharded_generate_script_is_a_job_array_whose_tasks_each_commit_their_
     assert "--array" not in sbatch.render(_run(exp), exp, "score", 4)
 
 
+def test_a_shard_without_a_request_merges_as_nothing():
+    """pins: a merge that refuses (or misorders) a shard that drew no request: the final
+    iteration's validation over fewer prompts than engines."""
+    from hpcrl import schemas
+
+    parts = _shard_tables([], 1, [4, 9], 3)
+    assert parts[2].num_rows == 0
+    parts[2] = schemas.ROLLOUTS.empty_table().select(parts[0].column_names)
+    assert shards.merge(parts).equals(_one_engine([], 1, [4, 9]))
+
+
 @pytest.mark.parametrize(("overrides", "why"), [
+    ({"algorithm": {"prompts_per_iteration": 1}}, "each engine samples whole groups"),
     ({"executor": {"mode": "resident"}}, "the resident mode runs one vLLM engine"),
     ({"algorithm": {"dynamic_sampling": True}}, "dynamic sampling draws its rounds over the whole batch"),
 ])
