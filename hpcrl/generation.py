@@ -240,13 +240,8 @@ def generate(ctx, llm, version: int, pool=None, await_policy: Callable[[], None]
 def merge_shards(ctx, shards_n: int) -> None:
     """The generate stage of ctx.iteration from its `shards_n` committed shards (hpcrl.shards): their
     rollouts in one engine's order; the manifest lists them as its inputs."""
-    dirs = [ctx.run.shard_dir(ctx.iteration, GENERATE, i, shards_n) for i in range(shards_n)]
     with ctx.timed("io"):
-        tables = [commit.read_table(d, "rollouts") for d in dirs]
-        ctx.parts = [commit.read_manifest(d) for d in dirs]
-        for d in dirs:
-            ctx.inputs[f"{d.parent.name}/{d.name}@{d.parent.parent.name}"] = commit.manifest_digest(d)
-        rollouts = shards.merge(tables)
+        rollouts = shards.merge(ctx.shard_tables("rollouts", shards_n))
         ctx.writer.write_table("rollouts", rollouts)
     versions = {m["policy_version"] for m in ctx.parts}
     if len(versions) != 1:

@@ -192,13 +192,9 @@ def merge_shards(ctx: StageContext, shards_n: int) -> None:
 
     gen = ctx.input_dir(GENERATE)
     ctx.policy_version = commit.read_manifest(gen)["policy_version"]
-    dirs = [ctx.run.shard_dir(ctx.iteration, SCORE, i, shards_n) for i in range(shards_n)]
     with ctx.timed("io"):
         rollouts = commit.read_table(gen, "rollouts", columns=INPUT_COLUMNS)
-        scores = pa.concat_tables([commit.read_table(d, "scores") for d in dirs])
-        ctx.parts = [commit.read_manifest(d) for d in dirs]
-        for d in dirs:
-            ctx.inputs[f"{d.parent.name}/{d.name}@{d.parent.parent.name}"] = commit.manifest_digest(d)
+        scores = pa.concat_tables(ctx.shard_tables("scores", shards_n))
     if scores.num_rows != rollouts.num_rows:
         raise commit.CorruptOutputError(f"the shards of {ctx.run.stage_dir(ctx.iteration, SCORE)} scored "
                                         f"{scores.num_rows} samples of {rollouts.num_rows}")

@@ -107,6 +107,16 @@ class StageContext:
         return d
 
 
+    def shard_tables(self, table: str, shards: int) -> list:
+        """Table `table` of each of this stage's `shards` committed shards (hpcrl.shards), in shard
+        order; their manifests become `parts` and the manifest's inputs."""
+        dirs = [self.run.shard_dir(self.iteration, self.stage, i, shards) for i in range(shards)]
+        self.parts = [commit.read_manifest(d) for d in dirs]
+        for d in dirs:
+            self.inputs[f"{d.parent.name}/{d.name}@{d.parent.parent.name}"] = commit.manifest_digest(d)
+        return [commit.read_table(d, table) for d in dirs]
+
+
 Body = Callable[[StageContext], None]
 
 
