@@ -74,9 +74,14 @@ class Experiment(Section):
         if ex.score.tasks > 1 and ex.mode == "resident":
             raise Rule("executor.score.tasks", "the resident mode scores on its generator task's reward "
                        "workers; expected tasks = 1, or executor.mode = \"staged\"")
-        if self.generate.engines > 1 and ex.mode == "resident":
-            raise Rule("generate.engines", "the resident mode runs one vLLM engine; expected engines = 1, "
-                       "or executor.mode = \"staged\"")
+        n = self.generate.engines
+        if n > 1 and ex.mode == "resident" and ex.resident.colocate:
+            raise Rule("generate.engines", "colocated vLLM runs one engine, on the trainers' GPUs; expected "
+                       "engines = 1, or executor.resident.colocate = false")
+        if n > 1 and ex.mode == "resident" and ex.kind == "slurm" and ex.resident.generator is not None:
+            raise Rule("generate.engines", "[executor.resident.generator] is the node of one engine; "
+                       "expected engines = 1, or no [executor.resident.generator] (engines beside the "
+                       "trainers, executor.resident.nodes)")
         if self.generate.engines > self.algorithm.prompts_per_iteration:
             raise Rule("generate.engines", f"each engine samples whole groups (every engines-th prompt); "
                        f"expected at most algorithm.prompts_per_iteration = "
@@ -89,10 +94,10 @@ class Experiment(Section):
         if ex.resident.generator is not None and w % ex.resident.nodes:
             raise Rule("executor.resident.nodes", f"update.world_size = {w} trainer tasks must spread evenly "
                        f"over {ex.resident.nodes} nodes (the generator has a node of its own)")
-        if ex.resident.generator is None and (w + 1) % ex.resident.nodes:
-            raise Rule("executor.resident.nodes", f"the resident job's {w + 1} tasks (update.world_size = "
-                       f"{w} trainers + 1 generator) must spread evenly over {ex.resident.nodes} nodes; or "
-                       "give the generator a node of its own ([executor.resident.generator])")
+        if ex.resident.generator is None and (w + n) % ex.resident.nodes:
+            raise Rule("executor.resident.nodes", f"the resident job's {w + n} tasks (update.world_size = "
+                       f"{w} trainers + generate.engines = {n}) must spread evenly over {ex.resident.nodes} "
+                       "nodes; or give the generator a node of its own ([executor.resident.generator])")
         return self
 
 

@@ -207,10 +207,11 @@ class GenerateConfig(Section):
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM memory share on a GPU.")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size (GPUs of the engine; "
                                       "on CPU, workers each bound to their share of the task's cores).")
-    engines: int = Field(1, ge=1, description="vLLM engines sharing each generate stage (staged mode): one "
-                         "task each (a job array on Slurm, with executor.generate's resources per task), "
-                         "each committing a shard of the prompts; the rollouts are the same whatever the "
-                         "number.")
+    engines: int = Field(1, ge=1, description="vLLM engines sharing each generate stage, each committing "
+                         "a shard of the prompts; the rollouts are the same whatever the number. Staged: a "
+                         "job array of one task each, with executor.generate's resources per task. Resident: "
+                         "this many generator tasks beside the trainers, each holding its engine for the "
+                         "run, all loading every update's weights.")
 
 
 class RewardModelConfig(Section):

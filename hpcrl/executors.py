@@ -110,9 +110,9 @@ def submitit_executor(run: RunDir, exp: Experiment, role: str, iteration: int | 
 
 def tasks_for(exp: Experiment, stage: str) -> int:
     """Tasks of a stage's job: one per trainer rank for a kind that runs on them, one otherwise;
-    the resident job: the trainers and the generator."""
+    the resident job: the trainers and the engines."""
     if stage == "resident":
-        return exp.update.world_size + 1
+        return exp.update.world_size + exp.generate.engines
     return exp.update.world_size if stage_kinds.kind(stage).on_trainers else 1
 
 

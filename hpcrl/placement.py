@@ -2,8 +2,8 @@
 
 Slurm places a job's tasks in blocks (`--ntasks-per-node`): node n holds tasks n*t .. n*t+t-1, and
 every task sees all of its node's GPUs (CUDA_VISIBLE_DEVICES lists them). The plan gives each
-task its own GPUs: a trainer rank one, the generator `generate.tensor_parallel_size`, disjoint on
-each node; with `executor.resident.colocate` the generator takes GPUs its node's trainers hold
+task its own GPUs: a trainer rank one, each engine `generate.tensor_parallel_size`, disjoint on
+each node; with `executor.resident.colocate` the engine takes GPUs its node's trainers hold
 (vLLM sleeps through each update). Before anything touches CUDA, each task narrows
 CUDA_VISIBLE_DEVICES to its own GPUs (`bind`): inside the task they are cuda:0, cuda:1, ..., so
 no two ranks of one NCCL communicator share a device and vLLM cannot start on a trainer's GPU.
@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 
 from hpcrl.config import Experiment
+from hpcrl.roles import Layout
 from hpcrl.stage_kinds import GENERATE, UPDATE
 
 
@@ -30,23 +31,31 @@ class Slot:
     gpus: tuple[int, ...]  # indices among the node's GPUs
 
 
-def resident_plan(trainers: int, tp: int, nodes: int, gpus_per_node: int, colocate: bool) -> list[Slot]:
-    """The resident job's tasks (trainers 0..W-1, then the generator) on `nodes` nodes of
-    `gpus_per_node` GPUs each; PlacementError if they do not fit."""
-    per_node = (trainers + 1) // nodes
-    used = [0] * nodes
+def layout(exp: Experiment) -> Layout:
+    """The resident job's tasks by role and node (hpcrl.roles.Layout); a heterogeneous job's second
+    component (the generator's node) follows the trainers' in task order."""
+    ex = exp.executor
+    nodes = ex.resident.nodes if ex.kind == "slurm" and ex.resident.generator is None else 1
+    return Layout(exp.update.world_size, exp.generate.engines, nodes)
+
+
+def resident_plan(tasks: Layout, tp: int, gpus_per_node: int, colocate: bool) -> list[Slot]:
+    """The resident job's tasks (trainers and engines by node: hpcrl.roles.Layout) on nodes of
+    `gpus_per_node` GPUs each: a trainer one GPU, an engine `tp`, disjoint; colocated, each engine
+    takes GPUs its node's trainers hold. PlacementError if they do not fit."""
+    used, engines_here = [0] * tasks.nodes, [0] * tasks.nodes
     slots = []
-    for task in range(trainers + 1):
-        node = task // per_node
-        if task < trainers:
-            role, first, need = f"trainer {task}", used[node], 1
-        elif colocate:
-            role, first, need = "generator", 0, tp
+    for task in range(tasks.world_size):
+        node = tasks.node(task)
+        role, index = tasks.role(task)
+        if role == "trainer":
+            first, need = used[node], 1
         else:
-            role, first, need = "generator", used[node], tp
+            first, need = (engines_here[node] * tp if colocate else used[node]), tp
+            engines_here[node] += 1
         if first + need > gpus_per_node:
-            raise PlacementError(_does_not_fit(node, slots, role, need, gpus_per_node, colocate))
-        slots.append(Slot(task, role, node, tuple(range(first, first + need))))
+            raise PlacementError(_does_not_fit(node, slots, f"{role} {index}", need, gpus_per_node, colocate))
+        slots.append(Slot(task, f"{role} {index}", node, tuple(range(first, first + need))))
         used[node] = max(used[node], first + need)
     return slots
 
@@ -54,8 +63,8 @@ def resident_plan(trainers: int, tp: int, nodes: int, gpus_per_node: int, coloca
 def _does_not_fit(node: int, slots: list[Slot], role: str, need: int, gpus: int, colocate: bool) -> str:
     held = sum(len(s.gpus) for s in slots if s.node == node)
     what = f"{held} GPU(s) for the trainers placed there and {need} for the {role}"
-    if role == "generator" and colocate:
-        what = f"{need} GPU(s) for the generator (generate.tensor_parallel_size)"
+    if role.startswith("generator") and colocate:
+        what = f"{need} GPU(s) for each of its engines (generate.tensor_parallel_size)"
     return (f"executor.resident.gpus_per_node: node {node} of the resident job needs {what}, but has "
             f"{gpus}; expected more GPUs per node, more nodes, or executor.resident.colocate = true")
 
@@ -73,7 +82,7 @@ def heterogeneous_plan(trainers: int, tp: int, nodes: int, gpus_per_node: int,
         raise PlacementError(f"executor.resident.generator.gpus_per_node: generate.tensor_parallel_size = "
                              f"{tp} needs {tp} GPUs, but the generator's node has {generator_gpus}")
     slots = [Slot(t, f"trainer {t}", t // per_node, (t % per_node,)) for t in range(trainers)]
-    return [*slots, Slot(trainers, "generator", nodes, tuple(range(tp)))]
+    return [*slots, Slot(trainers, "generator 0", nodes, tuple(range(tp)))]
 
 
 def plan(exp: Experiment) -> list[Slot] | None:
@@ -86,7 +95,7 @@ def plan(exp: Experiment) -> list[Slot] | None:
     if g is not None and (r.gpus_per_node or g.gpus_per_node):
         return heterogeneous_plan(w, tp, r.nodes, r.gpus_per_node, g.gpus_per_node)
     if g is None and r.gpus_per_node:
-        return resident_plan(w, tp, r.nodes, r.gpus_per_node, r.colocate)
+        return resident_plan(layout(exp), tp, r.gpus_per_node, r.colocate)
     return None
 
 
@@ -147,12 +156,14 @@ def describe(exp: Experiment) -> str | None:
     return "\n".join(lines)
 
 
-def bind_cpus(role: str, setting: str | None = None) -> set[int] | None:
+def bind_cpus(role: str, index: int = 0, setting: str | None = None) -> set[int] | None:
     """On a CPU node, pin this task to its role's cores when HPCRL_ROLE_CPUS names them
-    ("trainer=0;generator=1", each a list like "0-3,8"), so each role owns its cores as it owns
-    its GPUs on a GPU node (tools/bench_async.py); the cores set, or None when not named."""
+    ("trainer=0;generator=1", each a list like "0-3,8"; "generator1=..." for engine 1 alone), so
+    each role owns its cores as it owns its GPUs on a GPU node (tools/bench_async.py,
+    tools/bench_engines.py); the cores set, or None when not named."""
     setting = os.environ.get("HPCRL_ROLE_CPUS", "") if setting is None else setting
-    cores = dict(part.split("=", 1) for part in setting.split(";") if "=" in part).get(role)
+    named = dict(part.split("=", 1) for part in setting.split(";") if "=" in part)
+    cores = named.get(f"{role}{index}") or named.get(role)
     if not cores:
         return None
     chosen = {c for span in cores.split(",") for c in _span(span)}

@@ -1,8 +1,10 @@
-"""The generator task of the resident job (hpcrl.resident): the generate and score stage objects
-(the vLLM engine, the reward workers) kept for the run, and the loop over the run's stages.
+"""Generator 0 of the resident job (hpcrl.resident): the generate and score stage objects (its
+vLLM engine, the reward workers) kept for the run, and the loop over the run's stages.
 
 It walks the plan (hpcrl.plan) and runs each stage through hpcrl.stage.run_stage; an update it
-commands to the trainers (hpcrl.resident_trainer) and goes on. With algorithm.max_staleness = s
+commands to the trainers (hpcrl.resident_trainer) and goes on. With generate.engines = N it leads
+the other engines (hpcrl.resident_engines): every engine loads each version it loads, each
+generation is N shards, one per engine, merged once all are committed. With algorithm.max_staleness = s
 the generations of the next s iterations run while the trainers update: the engine loads an
 update's weights only when a generation needs that version (between two generations, so no
 sample mixes versions), and a generation commits only once the update that made its policy has.
@@ -11,15 +13,14 @@ sample mixes versions), and a generation commits only once the update that made 
 from __future__ import annotations
 
 import collections
-import os
 import time
 
-from hpcrl import commit, plan, resident_sync, transports, weight_sync
+from hpcrl import commit, plan, resident_engines, resident_sync, stage_kinds, transports, weight_sync
 from hpcrl.config import Experiment
 from hpcrl.roles import ControlPlane
 from hpcrl.rundir import RunDir
 from hpcrl.stage import run_stage
-from hpcrl.stage_kinds import UPDATE
+from hpcrl.stage_kinds import GENERATE, UPDATE
 
 
 class Generator:
@@ -27,20 +28,17 @@ class Generator:
     the loop over the run's stages."""
 
     def __init__(self, run: RunDir, exp: Experiment, plane: ControlPlane):
-        from hpcrl.generation import GenerateStage
         from hpcrl.scoring import ScoreStage
 
         self.run, self.exp, self.plane = run, exp, plane
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            os.environ.pop(key, None)  # vLLM sets up its own (single-process) distributed state
-        self.gen, self.score = GenerateStage(exp, run, resident=True), ScoreStage(exp, run, resident=True)
-        self.gen.startup()
-        self.sync = resident_sync.sync_setup(exp, run, plane, "generator", "trainer0")
-        self.base = run.latest_saved_version()  # the trainers start from it
-        self.gen.setup(self.base, exp.run.seed)
+        self.gen, self.sync = resident_engines.open_engine(exp, run, plane, 0)
+        self.score = ScoreStage(exp, run, resident=True)
+        self.base = self.gen.version  # the latest saved version: the trainers start from it too
         self.llm = self.gen.llm
-        self.llm.collective_rpc("hpcrl_open_sync", args=(self.sync.as_dict(), 0))
-        print(f"[resident] weights reach vLLM through {self.sync.transport.replace('_', ' ')}", flush=True)
+        self.fleet = resident_engines.Fleet(plane, exp.generate.engines)
+        engines = f" of {exp.generate.engines} engines" if exp.generate.engines > 1 else ""
+        print(f"[resident] weights reach vLLM{engines} through {self.sync.transport.replace('_', ' ')}",
+              flush=True)
         self.score.setup(self.gen.version, exp.run.seed)
         self.gen.pool = self.score.pool  # dynamic sampling scores its rounds on the same workers
         self.probe = resident_sync.probe_sequences(exp, self.llm.get_tokenizer())
@@ -48,27 +46,50 @@ class Generator:
         self.progress = plan.Progress(run, exp)
         self.started: set[int] = set()  # the updates this job commanded
         self.uncommitted: set[int] = set()  # those whose commit it has not seen yet
+        self.made_by: int | None = None  # the uncommitted update the next generation waits for
 
     def drive(self) -> None:
-        stages = {s.name: s for s in (self.gen, self.score)}  # the update runs on the trainers
         try:
             self._check_agreement()
             while (nxt := self._next_stage()) is not None:
                 k, name = nxt
-                if name not in stages:
+                if name == UPDATE:
                     self._start_update(k)
-                    continue
-                if name == self.gen.name:
+                elif name == GENERATE:
                     self._hold(plan.policy_version(self.exp, k))
-                run_stage(name, self.run.root, k, stages[name].run, startup=0.0)
+                    self._generate(k)
+                else:
+                    run_stage(name, self.run.root, k, self.score.run, startup=0.0)
             while self.inflight:
                 self._finish_update()
             self._await_commit(*sorted(self.uncommitted))
         finally:
             self.score.close()
+        self.fleet.wait(self.fleet.send({"op": "stop"}))
         self.plane.send({"op": "stop"})
         self.llm.collective_rpc("hpcrl_close_sync")
         self.plane.stop_monitor()
+
+    def _generate(self, k: int) -> None:
+        """The generate stage of iteration k: whole on one engine, or a shard on each engine (those
+        not committed: a resumed run keeps the others), merged in one engine's order (hpcrl.shards)."""
+        n = self.exp.generate.engines
+        if n == 1:
+            run_stage(GENERATE, self.run.root, k, self.gen.run, startup=0.0)
+            return
+        todo = [i for i in range(n) if not commit.is_committed(self.run.shard_dir(k, GENERATE, i, n))]
+        sent = self.fleet.send({"op": "generate", "iteration": k, "version": self.gen.version,
+                                "await": self.made_by}, todo)
+        if 0 in todo:
+            run_stage(GENERATE, self.run.root, k, self.gen.run, startup=0.0, shard=(0, n))
+        self.fleet.wait(sent)
+        merge, sync_metrics = stage_kinds.kind(GENERATE).merge_function(), self.gen.metrics
+
+        def merged(ctx) -> None:
+            merge(ctx, n)
+            ctx.writer.metrics.update(sync_metrics)
+
+        run_stage(GENERATE, self.run.root, k, merged, startup=0.0)
 
     def _check_agreement(self) -> None:
         """Before any iteration: the trainer and vLLM, holding the same weights, must compute the
@@ -100,8 +121,9 @@ class Generator:
         if self.gen.version != version:
             raise RuntimeError(f"the generation needs policy version {version}; the engine holds "
                                f"{self.gen.version} and no update in flight makes it")
-        made_by = version - 1
-        self.gen.await_policy = (lambda: self._await_commit(made_by)) if made_by in self.uncommitted else None
+        self.made_by = version - 1 if version - 1 in self.uncommitted else None
+        made_by = self.made_by
+        self.gen.await_policy = (lambda: self._await_commit(made_by)) if made_by is not None else None
 
     def _await_commit(self, *updates: int) -> None:
         """Until the trainers have committed these updates (the ones this job commanded)."""
@@ -124,7 +146,7 @@ class Generator:
         return self.exp.executor.resident.colocate and resident_sync.backend() == "nccl"
 
     def _finish_update(self) -> None:
-        """The oldest update in flight: its weights into the engine, then the probe check."""
+        """The oldest update in flight: its weights into every engine, then the probe check on each."""
         k, seq = self.inflight.popleft()
         self._load_saved(k)  # the update's own starting point (only a resumed run's engine lacks it)
         self.plane.signal(f"receive/{k}")  # trainer 0 sends only now: no collective waits on a generation
@@ -134,7 +156,7 @@ class Generator:
         colocate = self._colocated()
         if colocate:
             self.llm.wake_up(tags=["weights"])
-        reply, sync_s = self._load_weights(seq)
+        reply, sync_s, others = self._load_weights(seq, k + 1)
         if colocate:
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
@@ -145,29 +167,38 @@ class Generator:
 
         t0 = time.perf_counter()
         engine_lp = generation.sequence_logprobs(self.llm, self.probe)
-        tol = weight_sync.probe_tolerance(self.exp.executor.resident.sync_check_tol, self.exp.model.dtype)
-        metrics = weight_sync.check_probe(engine_lp, reply["probe_new"], reply["probe_old"], tol,
-                                          version=k + 1, noise=getattr(self, "noise", None))
+        metrics = self._check_probe(engine_lp, reply, k + 1)
         metrics["sync/probe_s"] = time.perf_counter() - t0
+        for e, answer in enumerate(self.fleet.wait(others), 1):  # theirs, computed beside the leader's
+            self._check_probe(answer["probe"], reply, k + 1, f"engine {e}: ")
         nbytes = float(reply["handoff"]["bytes"])
         self.gen.metrics = {**metrics, "sync/seconds": sync_s, "sync/bytes": nbytes,
                             "sync/gb_per_s": nbytes / max(sync_s, 1e-9) / 1e9}
 
+    def _check_probe(self, engine_lp: list, reply: dict, version: int, who: str = "") -> dict:
+        tol = weight_sync.probe_tolerance(self.exp.executor.resident.sync_check_tol, self.exp.model.dtype)
+        try:
+            return weight_sync.check_probe(engine_lp, reply["probe_new"], reply["probe_old"], tol,
+                                           version=version, noise=getattr(self, "noise", None))
+        except weight_sync.WeightSyncError as err:
+            raise weight_sync.WeightSyncError(f"{who}{err}") from None
+
     def _load_saved(self, version: int) -> None:
-        """The engine set to saved policy `version` (read from the run directory), unless it holds it."""
+        """Every engine set to saved policy `version` (read from the run directory), unless it holds it."""
         if self.gen.version == version:
             return
-        path = commit.verified(self.run.policy_dir(version, self.exp.model.path))
-        handoff = transports.Handoff("saved", path=str(path))
-        self.llm.collective_rpc("hpcrl_load_weights", args=(handoff.as_dict(),))
-        self.llm.reset_prefix_cache()
-        self.gen.version, self.gen.metrics = version, {}
-        print(f"[resident] the engine loaded the saved policy version {version} from {path}", flush=True)
+        sent = self.fleet.send({"op": "load", "version": version})
+        resident_engines.load_saved(self.gen, self.run, self.exp, version)
+        self.fleet.wait(sent)
+        print(f"[resident] the engines loaded the saved policy version {version}", flush=True)
 
-    def _load_weights(self, seq: int) -> tuple[dict, float]:
-        """The trainer's reply to update command `seq`, once the engine holds the new weights, and
-        the sync's seconds: trainer 0's gather and send, plus what the load side adds after it."""
+    def _load_weights(self, seq: int, version: int) -> tuple[dict, float, list]:
+        """The trainer's reply to update command `seq` once engine 0 holds the new weights, the
+        sync's seconds (trainer 0's gather and send, plus what engine 0's load adds after it), and
+        the sync commands of the other engines, which load from the same send."""
+        command = {"op": "sync", "version": version, "probe": self.probe}
         if transports.TRANSPORTS[self.sync.transport].streams:  # loaded as the buckets arrive
+            others = self.fleet.send({**command, "handoff": None})  # every engine receives the one send
             self.llm.collective_rpc("hpcrl_load_weights",
                                     args=(transports.Handoff(self.sync.transport).as_dict(),))
             t0 = time.perf_counter()
@@ -175,5 +206,6 @@ class Generator:
         else:
             reply = self.plane.wait_reply(seq)
             t0 = time.perf_counter()
+            others = self.fleet.send({**command, "handoff": reply["handoff"]})
             self.llm.collective_rpc("hpcrl_load_weights", args=(reply["handoff"],))
-        return reply, reply["send_s"] + time.perf_counter() - t0
+        return reply, reply["send_s"] + time.perf_counter() - t0, others

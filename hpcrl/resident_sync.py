@@ -1,4 +1,4 @@
-"""What the resident job's roles agree on: the weight sync between trainer 0 and the generator,
+"""What the resident job's roles agree on: the weight sync from trainer 0 to the engines,
 the probe both score after each sync, when an update saves a checkpoint and when it commits."""
 
 from __future__ import annotations
@@ -38,15 +38,17 @@ def probe_sequences(exp: Experiment, tokenizer) -> list[list[int]]:
     return out
 
 
-def sync_setup(exp: Experiment, run: RunDir, plane: ControlPlane, me: str,
-                peer: str) -> transports.SyncSetup:
-    """The weight sync both ends agree on (hpcrl.transports), from where trainer 0 and the generator run."""
+def sync_setup(exp: Experiment, run: RunDir, plane: ControlPlane, me: str) -> transports.SyncSetup:
+    """The weight sync every end agrees on (hpcrl.transports), from where trainer 0 and each engine
+    run; `me` is "trainer0" or "engine<e>"."""
     here = os.environ.get("SLURMD_NODENAME") or os.uname().nodename  # Slurm's node name, else the host's
     plane.put(plane.store, f"host/{me}", here)
-    hosts = {me: here, peer: plane.wait_for(f"host/{peer}")}
+    engines = exp.generate.engines
+    ends = ("trainer0", *(f"engine{e}" for e in range(engines)))
+    hosts = {who: plane.wait_for(f"host/{who}") for who in ends}
     r = exp.executor.resident
-    name = transports.choose(r.weight_sync, hosts["trainer0"], hosts["generator"], backend() == "nccl")
-    return transports.SyncSetup(name, plane.host, plane.port, engines=1,
+    name = transports.choose(r.weight_sync, hosts.pop("trainer0"), list(hosts.values()), backend() == "nccl")
+    return transports.SyncSetup(name, plane.host, plane.port, engines=engines,
                                 tp=exp.generate.tensor_parallel_size, timeout_s=r.collective_timeout_s,
                                 bucket_bytes=int(r.sync_bucket_mb * (1 << 20)), backend=backend(),
                                 directory=str(run.root / "resident" / "weights"))

@@ -28,7 +28,7 @@ class Trainer:
         from hpcrl.update import UpdateStage
 
         self.run, self.exp, self.plane, self.rank = run, exp, plane, rank
-        setup = resident_sync.sync_setup(exp, run, plane, "trainer0", "generator") if rank == 0 else None
+        setup = resident_sync.sync_setup(exp, run, plane, "trainer0") if rank == 0 else None
         world = exp.update.world_size
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
         if torch.cuda.is_available():

@@ -1,13 +1,14 @@
 """The control plane of a resident job: who is who, commands, heartbeats, and stopping together.
 
-A resident job has `update.world_size` trainer tasks (global ranks 0..W-1) and one generator task
-(rank W) that drives the loop. They share one TCPStore, hosted by rank 0, for everything small:
-commands from the generator to the trainers, replies, heartbeats and the failure flag. (The
-trainers' own process group and the weight-sync group are built over the same store.)
+A resident job has `update.world_size` trainer tasks and `generate.engines` generator tasks, each
+holding a vLLM engine (`Layout`); generator 0 drives the loop, the others serve its commands. They
+share one TCPStore, hosted by task 0 (trainer 0), for everything small: commands on named channels
+("trainers", "engine<e>"), replies, heartbeats and the failure flag. (The trainers' own process
+group and the weight-sync group are built over the same store.)
 
 Every task runs a monitor thread: it beats every second, and ends the process when another task
 reported a failure, when a task's heartbeat has stalled (killed, hung node), or when the store
-is gone (rank 0 died); so no task ever waits forever for a dead peer and the allocation is
+is gone (task 0 died); so no task ever waits forever for a dead peer and the allocation is
 released within seconds, with the role, the rank and the error in the log.
 
 The store accepts any client that reaches its port. So every value the plane writes is signed
@@ -42,25 +43,54 @@ class RoleFailedError(RuntimeError):
 
 @dataclass(frozen=True)
 class Layout:
+    """The resident job's tasks: `trainers` trainer ranks and `engines` generator tasks (one vLLM
+    engine each) on `nodes` nodes, Slurm's block order (node n holds the tasks n*t .. n*t+t-1).
+    When both counts divide by the nodes, each node holds its share of trainers, then its share
+    of engines (a node's trainers and engines use its GPUs side by side); else the trainers come
+    first, then the engines. Task 0 is trainer 0 (it hosts the job's store) either way."""
+
     trainers: int
+    engines: int = 1
+    nodes: int = 1
+
+    def __post_init__(self):
+        if self.trainers < 1 or self.engines < 1 or self.nodes < 1 or self.world_size % self.nodes:
+            raise ValueError(f"{self.trainers} trainer(s) and {self.engines} engine(s) do not spread "
+                             f"evenly over {self.nodes} node(s)")
 
     @property
     def world_size(self) -> int:
-        return self.trainers + 1
+        return self.trainers + self.engines
 
     @property
-    def generator_rank(self) -> int:
-        return self.trainers
+    def per_node(self) -> int:
+        return self.world_size // self.nodes
 
-    def role(self, rank: int) -> tuple[str, int]:
-        """("trainer", trainer rank) or ("generator", 0) of a global rank."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} outside a resident job of {self.world_size} tasks")
-        return ("trainer", rank) if rank < self.trainers else ("generator", 0)
+    def interleaved(self) -> bool:
+        return self.nodes > 1 and not self.trainers % self.nodes and not self.engines % self.nodes
 
-    def name(self, rank: int) -> str:
-        role, r = self.role(rank)
-        return f"{role} {r} (task {rank})" if role == "trainer" else f"generator (task {rank})"
+    def role(self, task: int) -> tuple[str, int]:
+        """("trainer", trainer rank) or ("generator", engine index) of a task (its global rank)."""
+        if not 0 <= task < self.world_size:
+            raise ValueError(f"task {task} outside a resident job of {self.world_size} tasks")
+        if not self.interleaved():
+            return ("trainer", task) if task < self.trainers else ("generator", task - self.trainers)
+        node, local = divmod(task, self.per_node)
+        here = self.trainers // self.nodes
+        if local < here:
+            return "trainer", node * here + local
+        return "generator", node * (self.engines // self.nodes) + local - here
+
+    def task(self, role: str, index: int) -> int:
+        """The task (global rank) of trainer or generator `index`."""
+        return next(t for t in range(self.world_size) if self.role(t) == (role, index))
+
+    def node(self, task: int) -> int:
+        return task // self.per_node
+
+    def name(self, task: int) -> str:
+        role, r = self.role(task)
+        return f"{role} {r} (task {task})"
 
 
 def job_secret(path: Path) -> bytes:
@@ -91,7 +121,7 @@ class ControlPlane:
         self._secret = secret
         self.store = tcp_store(host, port, layout.world_size, rank == 0, timeout_s, wait_for_workers=False)
         self.host, self.port = host, port
-        self._seq = 0
+        self._seqs: dict[str, int] = {}  # the last command's number on each channel
         self._stopping = threading.Event()
         self._beats = 0
         self._side, self._side_lock = None, threading.Lock()
@@ -189,7 +219,7 @@ class ControlPlane:
                       flush=True)
                 os._exit(1)
 
-    # -- commands (generator -> trainers) and replies (trainer 0 -> generator) --------------
+    # -- commands on a channel (generator 0 -> the trainers, or -> engine e) and their replies --
     def wait_for(self, key: str):
         """The key's signed value once set (an unsigned one is reported and waited past). A failed
         or dead peer ends this process through the monitor; the timeout bounds a wait on a peer
@@ -216,20 +246,21 @@ class ControlPlane:
         return (f"{self.layout.name(self.rank)}: {what} within executor.resident.collective_timeout_s = "
                 f"{self.timeout_s:.0f} s")
 
-    def send(self, command: dict) -> int:
-        self._seq += 1
-        self.put(self.store, f"cmd/{self._seq}", command)
-        return self._seq
+    def send(self, command: dict, channel: str = "trainers") -> int:
+        self._seqs[channel] = seq = self._seqs.get(channel, 0) + 1
+        self.put(self.store, f"cmd/{channel}/{seq}", command)
+        return seq
 
-    def receive(self) -> dict:
-        self._seq += 1
-        return self.wait_for(f"cmd/{self._seq}")
+    def receive(self, channel: str = "trainers") -> dict:
+        self._seqs[channel] = seq = self._seqs.get(channel, 0) + 1
+        return self.wait_for(f"cmd/{channel}/{seq}")
 
-    def reply(self, payload: dict) -> None:
-        self.put(self.store, f"reply/{self._seq}", payload)
+    def reply(self, payload: dict, channel: str = "trainers") -> None:
+        """The reply to the last command `receive` returned on `channel`."""
+        self.put(self.store, f"reply/{channel}/{self._seqs[channel]}", payload)
 
-    def wait_reply(self, seq: int) -> dict:
-        return self.wait_for(f"reply/{seq}")
+    def wait_reply(self, seq: int, channel: str = "trainers") -> dict:
+        return self.wait_for(f"reply/{channel}/{seq}")
 
     # -- signals (any thread of any task -> whoever waits) -----------------------------------
     def signal(self, name: str) -> None:

@@ -126,16 +126,19 @@ def make(setup: SyncSetup | dict) -> Transport:
     return TRANSPORTS[setup.transport](setup)
 
 
-def choose(setting: str, trainer_host: str, generator_host: str, cuda: bool) -> str:
+def choose(setting: str, trainer_host: str, engine_hosts: str | list[str], cuda: bool) -> str:
     """The transport a resident job uses (`executor.resident.weight_sync`); "auto": shared memory when
-    trainer 0 and the generator share a node and the weights are on CPU, else a process group
-    (NCCL between GPUs, gloo across nodes). Shared memory across nodes is refused."""
+    trainer 0 and every engine share a node and the weights are on CPU, else a process group
+    (NCCL between GPUs, gloo across nodes: one broadcast reaches every engine). Shared memory
+    with an engine on another node is refused."""
+    hosts = [engine_hosts] if isinstance(engine_hosts, str) else list(engine_hosts)
+    away = [h for h in hosts if h != trainer_host]
     if setting == "auto":
-        same_cpu_node = trainer_host == generator_host and not cuda and hasattr(os, "memfd_create")
+        same_cpu_node = not away and not cuda and hasattr(os, "memfd_create")
         return "shared_memory" if same_cpu_node else "process_group"
-    if setting == "shared_memory" and trainer_host != generator_host:
-        raise RuntimeError(f"executor.resident.weight_sync = \"shared_memory\" needs trainer 0 and the "
-                           f"generator on one node; they are on {trainer_host} and {generator_host}: use "
+    if setting == "shared_memory" and away:
+        raise RuntimeError(f"executor.resident.weight_sync = \"shared_memory\" needs trainer 0 and every "
+                           f"engine on one node; trainer 0 is on {trainer_host}, an engine on {away[0]}: use "
                            "\"process_group\" or \"auto\"")
     return setting
 

@@ -106,7 +106,8 @@ def _checks(run: RunDir, exp) -> None:
         rollouts = pq.read_table(run.stage_dir(k, GENERATE) / "rollouts.parquet")
         assert set(rollouts["policy_version"].to_pylist()) == {version}, k
         inputs = commit.read_manifest(run.stage_dir(k, GENERATE))["inputs"]
-        assert list(inputs) == ([f"update@iter_{version - 1:06d}"] if version else []), k
+        inputs = [i for i in inputs if not i.startswith("generate.shards/")]  # a merged generation's
+        assert inputs == ([f"update@iter_{version - 1:06d}"] if version else []), k
     assert [plan.policy_version(exp, k) for k in range(3)] == [0, 0, 2]
 
 
@@ -136,11 +137,23 @@ def test_two_engines_and_two_score_tasks_commit_what_one_of_each_does(staged_asy
     assert out.returncode == 0, out.stderr[-3000:]
     exp = config.load(path)
     run = RunDir.at(exp.run_dir)
+    _like_one_engine(staged_async, run, exp)
+    for k in range(exp.run.iterations + 1):
+        rows = pq.read_metadata(run.stage_dir(k, GENERATE) / "rollouts.parquet").num_rows
+        scored = [pq.read_metadata(run.shard_dir(k, SCORE, i, 2) / "scores.parquet").num_rows
+                  for i in range(2)]
+        assert sum(scored) == rows and (min(scored) > 0 or k == exp.run.iterations), (k, scored)
+
+
+def _like_one_engine(ref: RunDir, run: RunDir, exp) -> None:
+    """`run`, made by two engines, committed what `ref` (one engine, max_val_prompts unset) did:
+    every training table, the one validation prompt's rows, and each generation from two
+    disjoint shards committed before it."""
     last = exp.run.iterations
-    _same_outputs(staged_async, run, exp, iterations=last)  # the training iterations
+    _same_outputs(ref, run, exp, iterations=last)  # the training iterations
     for stage, table in ((GENERATE, "rollouts"), (SCORE, "scores")):  # the one validation prompt's rows
-        ref = pq.read_table(staged_async.stage_dir(last, stage) / f"{table}.parquet")
-        first = ref.filter(pc.equal(ref["prompt_index"], 0))
+        want = pq.read_table(ref.stage_dir(last, stage) / f"{table}.parquet")
+        first = want.filter(pc.equal(want["prompt_index"], 0))
         mine = pq.read_table(run.stage_dir(last, stage) / f"{table}.parquet")
         assert first.num_rows == 1 and mine.equals(first)
     for k in range(last + 1):
@@ -157,9 +170,55 @@ def test_two_engines_and_two_score_tasks_commit_what_one_of_each_does(staged_asy
         assert sum(t.num_rows for t in tables) == rows
         assert {f"generate.shards/{i}-of-2@iter_{k:06d}" for i in range(2)} <= set(manifest["inputs"])
         assert manifest["utilisation"]["devices"] == sum(m["utilisation"]["devices"] for m in shard_manifests)
-        scored = [pq.read_metadata(run.shard_dir(k, SCORE, i, 2) / "scores.parquet").num_rows
-                  for i in range(2)]
-        assert sum(scored) == rows and (min(scored) > 0 or k == last), (k, scored)
+
+
+def _kill_task(proc: subprocess.Popen, task: int) -> int:
+    """SIGKILL the local resident job's task `task` (a child of `proc`); its pid."""
+    import psutil
+
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if child.environ().get("SUBMITIT_LOCAL_GLOBALID") == str(task):
+                child.kill()
+                return child.pid
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no task {task} among the children of {proc.pid}")
+
+
+def test_two_resident_engines_commit_what_one_does_even_when_one_is_killed(staged_async, write_experiment):
+    """pins (generate.engines in the resident mode, hpcrl.resident_engines): an engine that samples
+    other prompts or with another version than engine 0, misses an update's weights (its probe is
+    checked), a merge before every shard is committed, or a retry that samples a committed shard
+    again. Engine 1 is killed once it has committed its shard of iteration 0: the job stops (no
+    later generation can commit without it), the controller resubmits it, and the run ends as one
+    engine's, its updates' weights loaded by both engines of the second job."""
+    path = write_experiment("resident-engines", generate={"engines": 2}, data={"max_val_prompts": 1},
+                            executor={**RESIDENT, "max_retries": 1}, **ASYNC)
+    exp = config.load(path)
+    run = RunDir.at(exp.run_dir)
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    shard = run.shard_dir(0, GENERATE, 1, 2)
+    deadline = time.monotonic() + 600
+    while not commit.is_committed(shard):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.05)
+    first_commit = commit.read_manifest(shard)["committed_at"]
+    _kill_task(proc, exp.update.world_size + 1)  # engine 1: the task after the trainer and engine 0
+    stdout, stderr = proc.communicate(timeout=900)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "generator 1 (task 2) stopped responding" in stdout + stderr + _logs(run)
+    assert [j["role"] for j in run.jobs()].count("resident") == 2  # resubmitted once
+    assert commit.read_manifest(shard)["committed_at"] == first_commit  # kept, not sampled again
+    _checks(run, exp)
+    _like_one_engine(staged_async, run, exp)
+    synced = commit.read_manifest(run.stage_dir(2, GENERATE))["metrics"]
+    assert synced["sync/logp_diff"] < 1e-4 < synced["sync/update_shift"]
+
+
+def _logs(run: RunDir) -> str:
+    return "".join(p.read_text(errors="replace") for p in run.logs.rglob("*") if p.is_file())
 
 
 def _kill_when_committed(proc: subprocess.Popen, stage_dir, timeout: float = 600) -> None:

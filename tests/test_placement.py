@@ -14,22 +14,45 @@ import pytest
 from torch.distributed.distributed_c10d import Backend, BackendConfig
 
 from hpcrl import config, distributed, placement
+from hpcrl.roles import Layout
 
 
 def test_trainers_and_generator_get_disjoint_gpus_on_each_node():
-    slots = placement.resident_plan(trainers=3, tp=2, nodes=1, gpus_per_node=8, colocate=False)
+    slots = placement.resident_plan(Layout(3), tp=2, gpus_per_node=8, colocate=False)
     assert [(s.role, s.node, s.gpus) for s in slots] == [
-        ("trainer 0", 0, (0,)), ("trainer 1", 0, (1,)), ("trainer 2", 0, (2,)), ("generator", 0, (3, 4))]
-    two = placement.resident_plan(trainers=3, tp=2, nodes=2, gpus_per_node=3, colocate=False)
+        ("trainer 0", 0, (0,)), ("trainer 1", 0, (1,)), ("trainer 2", 0, (2,)), ("generator 0", 0, (3, 4))]
+    two = placement.resident_plan(Layout(3, nodes=2), tp=2, gpus_per_node=3, colocate=False)
     assert [(s.node, s.gpus) for s in two] == [(0, (0,)), (0, (1,)), (1, (0,)), (1, (1, 2))]
+
+
+def test_each_node_holds_its_share_of_trainers_and_engines():
+    """pins (hpcrl.roles.Layout): 16 trainers and 4 engines of TP 4 on 4 nodes of 8 GPUs fit only
+    when each node holds 4 trainers and one engine; trainers first, then engines, where the counts
+    do not divide by the nodes; task 0 is trainer 0 (it hosts the job's store)."""
+    big = Layout(16, engines=4, nodes=4)
+    slots = placement.resident_plan(big, tp=4, gpus_per_node=8, colocate=False)
+    assert [(s.role, s.gpus) for s in slots[:5]] == [
+        ("trainer 0", (0,)), ("trainer 1", (1,)), ("trainer 2", (2,)), ("trainer 3", (3,)),
+        ("generator 0", (4, 5, 6, 7))]
+    assert [s.node for s in slots if s.role.startswith("generator")] == [0, 1, 2, 3]
+    assert sorted(big.role(t) for t in range(20)) == sorted(
+        [("trainer", r) for r in range(16)] + [("generator", e) for e in range(4)])
+    assert big.task("generator", 2) == 14 and big.name(14) == "generator 2 (task 14)"
+    assert [Layout(1, 2, nodes=3).role(t) for t in range(3)] == [
+        ("trainer", 0), ("generator", 0), ("generator", 1)]
+    assert [Layout(3, 1, nodes=2).role(t)[0] for t in range(4)] == ["trainer"] * 3 + ["generator"]
+    with pytest.raises(ValueError, match="do not spread evenly over 2 node"):
+        Layout(2, 1, nodes=2)
+    colocated = placement.resident_plan(Layout(2, 2), tp=1, gpus_per_node=2, colocate=True)
+    assert [s.gpus for s in colocated] == [(0,), (1,), (0,), (1,)]  # each engine on a trainer's GPU
 
 
 def test_a_layout_that_does_not_fit_is_refused_naming_the_key():
     with pytest.raises(placement.PlacementError, match=r"executor\.resident\.gpus_per_node: node 0 of the "
                        r"resident job needs 1 GPU\(s\) for the trainers placed there and 1 for the "
-                       r"generator, but has 1"):
-        placement.resident_plan(trainers=1, tp=1, nodes=1, gpus_per_node=1, colocate=False)
-    shared = placement.resident_plan(trainers=1, tp=1, nodes=1, gpus_per_node=1, colocate=True)
+                       r"generator 0, but has 1"):
+        placement.resident_plan(Layout(1), tp=1, gpus_per_node=1, colocate=False)
+    shared = placement.resident_plan(Layout(1), tp=1, gpus_per_node=1, colocate=True)
     assert [s.gpus for s in shared] == [(0,), (0,)]  # colocated: the generator on the trainer's GPU
 
 
@@ -110,6 +133,6 @@ def test_the_7b_resident_layout_renders_as_one_heterogeneous_job(write_experimen
     assert "singleton" not in script  # its second component would wait for its first for ever
     slots = placement.plan(exp)
     assert len({(s.node, s.gpus) for s in slots[:32]}) == 32 and {s.node for s in slots[:32]} == {0, 1, 2, 3}
-    assert (slots[32].role, slots[32].node, slots[32].gpus) == ("generator", 4, (0, 1, 2, 3))
+    assert (slots[32].role, slots[32].node, slots[32].gpus) == ("generator 0", 4, (0, 1, 2, 3))
     with pytest.raises(config.ConfigError, match=r"colocate.*a node of its own"):
         config.with_overrides(exp, {"executor.resident.colocate": True}, "test")

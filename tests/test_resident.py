@@ -215,7 +215,7 @@ def test_killed_generator_is_noticed_by_the_monitor_and_the_run_resumes_staged(w
     finally:
         proc.kill()
     assert proc.returncode != 0
-    assert "generator (task 1) stopped responding" in out, out[-3000:]
+    assert "generator 0 (task 1) stopped responding" in out, out[-3000:]
     with pytest.raises(AssertionError):  # the trainer is gone too: no survivor holds the allocation
         task_pid(run.logs, 0, timeout=1)
 
@@ -302,7 +302,7 @@ def test_signals_and_the_failure_flag_get_through_while_the_main_connection_wait
     other = plane._connect(timedelta(seconds=10))
     assert plane.get(other, "signal/committed/0") == 1
     assert "disk full" in plane._failure(other)
-    plane.put(other, "cmd/1", {})  # ends the wait
+    plane.put(other, "cmd/trainers/1", {})  # ends the wait
     waiting.join(timeout=10)
     assert not waiting.is_alive()
 
@@ -322,10 +322,10 @@ def test_a_client_without_the_job_secret_can_neither_stop_nor_steer_the_job(tmp_
     generator = ControlPlane("127.0.0.1", port, 1, Layout(1), timeout_s=5, secret=secret)
     intruder = ControlPlane("127.0.0.1", port, 1, Layout(1), timeout_s=5, secret=b"guessed")
     raw = trainer._connect(timedelta(seconds=10))
-    raw.set("failed/1", '{"rank": 1, "who": "generator (task 1)", "error": "stop", "at": 0}')
+    raw.set("failed/1", '{"rank": 1, "who": "generator 0 (task 1)", "error": "stop", "at": 0}')
     intruder.fail("stop now")
     assert trainer.failure() is None and generator.failure() is None  # the job goes on
-    raw.set("cmd/1", '{"op": "stop"}')
+    raw.set("cmd/trainers/1", '{"op": "stop"}')
     intruder.send({"op": "update", "iteration": 99, "checkpoint": False, "probe": []})
     got = {}
     receiving = threading.Thread(target=lambda: got.update(cmd=trainer.receive()), daemon=True)
@@ -335,7 +335,8 @@ def test_a_client_without_the_job_secret_can_neither_stop_nor_steer_the_job(tmp_
     generator.send({"op": "update", "iteration": 0, "checkpoint": True, "probe": [[1, 2]]})
     receiving.join(timeout=5)
     assert got["cmd"] == {"op": "update", "iteration": 0, "checkpoint": True, "probe": [[1, 2]]}
-    intruder.put(raw, "reply/1", {"handoff": {"transport": "filesystem", "path": "/attacker/weights"}})
+    forged = {"handoff": {"transport": "filesystem", "path": "/attacker/weights"}}
+    intruder.put(raw, "reply/trainers/1", forged)
     trainer.reply({"handoff": {"transport": "shared_memory", "path": "/proc/1/fd/3"}})
     assert generator.wait_reply(1)["handoff"]["path"] == "/proc/1/fd/3"
     raw.set("signal/committed/0", "1")

@@ -252,19 +252,37 @@ def _same_outputs_but_policies(a: RunDir, b: RunDir) -> None:
             {f: v for f, v in fb.items() if f.endswith(".parquet")}, (k, s)
 
 
-def test_resident_sbatch_script_submitted_by_hand_runs_the_whole_run(tmp_path, tiny_task):
+def test_resident_engines_on_two_nodes_from_a_script_submitted_by_hand_commit_what_one_engine_does(
+        tmp_path, tiny_task, local_ref):
+    """Issue #19: a resident job of one trainer and three vLLM engines over two nodes (n1: the
+    trainer and engine 0; n2: engines 1 and 2), rendered by `hpcrl sbatch` and submitted with
+    sbatch: its engines sample on both nodes, every engine loads the update's weights over the
+    process group ("auto" across nodes), and the run commits the bytes of the one-engine run."""
     spec = {"kind": "slurm", "mode": "resident",
-            "resident": {"partition": "debug", "nodes": 2, "cpus_per_task": 1}}
-    path = _write(tmp_path, tiny_task, "byhand-resident", executor=spec,
-                  run={"iterations": 1, "eval_every": 0})
+            "resident": {"partition": "debug", "nodes": 2, "cpus_per_task": 1, "stall_s": 20}}
+    path = _write(tmp_path, tiny_task, "byhand-resident", executor=spec, generate={"engines": 3},
+                  run={"iterations": 1})
     script = subprocess.run([sys.executable, "-m", "hpcrl.cli", "sbatch", str(path), "--stage", "resident"],
                             capture_output=True, text=True)
     assert script.returncode == 0, script.stderr
-    assert "#SBATCH --nodes=2" in script.stdout and "-m hpcrl.resident --run-dir" in script.stdout
+    assert "#SBATCH --nodes=2" in script.stdout and "#SBATCH --ntasks-per-node=2" in script.stdout
+    assert "-m hpcrl.resident --run-dir" in script.stdout
     (tmp_path / "resident.sbatch").write_text(script.stdout)
     subprocess.run(["sbatch", str(tmp_path / "resident.sbatch")], check=True, cwd=tmp_path,
                    capture_output=True)
-    _wait_complete(RunDir.at(tmp_path / "runs" / "byhand-resident"), timeout=600)
+    run = RunDir.at(tmp_path / "runs" / "byhand-resident")
+    _wait_complete(run, timeout=600)
+    for stage in ("generate", "score", "update"):  # iteration 0 is the same in the two-iteration reference
+        fa, fb = (commit.read_manifest(r.stage_dir(0, stage))["files"] for r in (run, local_ref))
+        assert {f: v for f, v in fa.items() if f.endswith(".parquet")} == \
+            {f: v for f, v in fb.items() if f.endswith(".parquet")}, stage
+    nodes = [commit.read_manifest(run.shard_dir(k, "generate", i, 3))["node"]
+             for k in (0, 1) for i in range(3)]
+    assert nodes == ["n1", "n2", "n2"] * 2, nodes
+    logs = "".join(p.read_text(errors="replace") for p in (run.root / "logs").rglob("*") if p.is_file())
+    assert "weights reach vLLM of 3 engines through process group" in logs
+    synced = commit.read_manifest(run.stage_dir(1, "generate"))["metrics"]  # all three engines' probes passed
+    assert synced["sync/logp_diff"] < 1e-4 < synced["sync/update_shift"]
 
 
 def test_staged_async_run_overlaps_a_generation_with_the_update_before_it(tmp_path, tiny_task):

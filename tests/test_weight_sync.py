@@ -151,9 +151,13 @@ def test_auto_transport_is_shared_memory_on_one_cpu_node_else_a_process_group():
     assert transports.choose("auto", "n1", "n2", cuda=False) == "process_group"
     assert transports.choose("auto", "n1", "n1", cuda=True) == "process_group"
     assert transports.choose("filesystem", "n1", "n1", cuda=False) == "filesystem"
-    with pytest.raises(RuntimeError,
-                       match="needs trainer 0 and the generator on one node; they are on n1 and n2"):
+    with pytest.raises(RuntimeError, match="needs trainer 0 and every engine on one node; trainer 0 is on "
+                       "n1, an engine on n2"):
         transports.choose("shared_memory", "n1", "n2", cuda=False)
+    assert transports.choose("auto", "n1", ["n1", "n1"], cuda=False) == "shared_memory"  # two engines
+    assert transports.choose("auto", "n1", ["n1", "n2"], cuda=False) == "process_group"
+    with pytest.raises(RuntimeError, match="an engine on n2"):
+        transports.choose("shared_memory", "n1", ["n1", "n2"], cuda=False)
 
 
 def test_the_sync_group_has_a_rank_per_engine_worker_after_the_trainer():

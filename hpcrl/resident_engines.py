@@ -1,0 +1,115 @@
+"""The vLLM engines of a resident job (generate.engines = N): generator tasks, each holding an
+engine for the run. Generator 0 leads (hpcrl.resident_generator: it walks the plan, commands the
+trainers, scores, and merges each generation); engines 1..N-1 serve its commands on a channel of
+their own ("engine<e>", hpcrl.roles):
+
+- "load": a saved policy version, read from the run directory (a resumed run's first generations);
+- "sync": an update's weights, from the same send of trainer 0 that reaches engine 0 (one
+  broadcast to every engine's workers, or the shared-memory buffer or directory its handoff
+  names), then the probe's logprobs, which the leader checks against the trainer's;
+- "generate": its shard of an iteration's generate stage (every N-th request, hpcrl.shards),
+  committed under iter_K/generate.shards/ as a staged shard job commits it, once the update that
+  made its policy is committed;
+- "stop".
+
+Every engine loads every version the leader loads, so all hold the same policy. `Fleet` is the
+leader's side: a command to the other engines, then their replies.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from hpcrl import commit, resident_sync, transports
+from hpcrl.config import Experiment
+from hpcrl.roles import ControlPlane
+from hpcrl.rundir import RunDir
+from hpcrl.stage import run_stage
+from hpcrl.stage_kinds import GENERATE
+
+
+def open_engine(exp: Experiment, run: RunDir, plane: ControlPlane, index: int):
+    """The generate stage object of engine `index` (hpcrl.generation.GenerateStage: vLLM over the
+    latest saved policy, with the weight receiver open), and the weight sync it takes part in."""
+    from hpcrl.generation import GenerateStage
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)  # vLLM sets up its own (single-process) distributed state
+    gen = GenerateStage(exp, run, resident=True)
+    gen.startup()
+    sync = resident_sync.sync_setup(exp, run, plane, f"engine{index}")
+    gen.setup(run.latest_saved_version(), exp.run.seed)  # the trainers start from it
+    gen.llm.collective_rpc("hpcrl_open_sync", args=(sync.as_dict(), index))
+    return gen, sync
+
+
+def load_saved(gen, run: RunDir, exp: Experiment, version: int) -> bool:
+    """The engine of `gen` set to saved policy `version` (read from the run directory), unless it
+    holds it; whether it loaded."""
+    if gen.version == version:
+        return False
+    path = commit.verified(run.policy_dir(version, exp.model.path))
+    handoff = transports.Handoff("saved", path=str(path))
+    gen.llm.collective_rpc("hpcrl_load_weights", args=(handoff.as_dict(),))
+    gen.llm.reset_prefix_cache()
+    gen.version, gen.metrics = version, {}
+    return True
+
+
+class Engine:
+    """Engine `index` > 0: serves the leader's commands until "stop"."""
+
+    def __init__(self, run: RunDir, exp: Experiment, plane: ControlPlane, index: int):
+        self.run, self.exp, self.plane, self.index = run, exp, plane, index
+        self.channel = f"engine{index}"
+        self.gen, self.sync = open_engine(exp, run, plane, index)
+
+    def serve(self) -> None:
+        ops = {"load": self._load, "sync": self._sync, "generate": self._generate}
+        while (cmd := self.plane.receive(self.channel))["op"] != "stop":
+            self.plane.reply(ops[cmd["op"]](cmd), self.channel)
+        self.plane.stop_monitor()  # before trainer 0, which hosts the store, ends
+        self.plane.reply({}, self.channel)
+        self.gen.llm.collective_rpc("hpcrl_close_sync")
+
+    def _load(self, cmd: dict) -> dict:
+        load_saved(self.gen, self.run, self.exp, cmd["version"])
+        return {}
+
+    def _sync(self, cmd: dict) -> dict:
+        from hpcrl import generation
+
+        t0 = time.perf_counter()
+        handoff = cmd["handoff"] or transports.Handoff(self.sync.transport).as_dict()  # a stream: no handoff
+        self.gen.llm.collective_rpc("hpcrl_load_weights", args=(handoff,))
+        self.gen.llm.reset_prefix_cache()
+        self.gen.version, self.gen.metrics = cmd["version"], {}
+        load_s = time.perf_counter() - t0
+        return {"probe": generation.sequence_logprobs(self.gen.llm, cmd["probe"]), "load_s": load_s}
+
+    def _generate(self, cmd: dict) -> dict:
+        k, made_by = cmd["iteration"], cmd["await"]
+        if self.gen.version != cmd["version"]:
+            raise RuntimeError(f"engine {self.index} holds policy version {self.gen.version}; the generation "
+                               f"of iteration {k} needs {cmd['version']}")
+        self.gen.await_policy = (lambda: self.plane.wait_signal(f"committed/{made_by}")) \
+            if made_by is not None else None
+        run_stage(GENERATE, self.run.root, k, self.gen.run, startup=0.0,
+                  shard=(self.index, self.exp.generate.engines))
+        return {}
+
+
+class Fleet:
+    """The leader's side of engines 1..N-1: a command sent to each (or to some), then their replies
+    in engine order."""
+
+    def __init__(self, plane: ControlPlane, engines: int):
+        self.plane, self.engines = plane, range(1, engines)
+
+    def send(self, command: dict, engines=None) -> list[tuple[str, int]]:
+        chosen = [e for e in (self.engines if engines is None else engines) if e in self.engines]
+        return [(f"engine{e}", self.plane.send(command, f"engine{e}")) for e in chosen]
+
+    def wait(self, sent: list[tuple[str, int]]) -> list[dict]:
+        return [self.plane.wait_reply(seq, channel) for channel, seq in sent]
