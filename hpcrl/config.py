@@ -89,6 +89,7 @@ class Experiment(Section):
         if self.generate.engines > 1 and self.algorithm.dynamic_sampling:
             raise Rule("generate.engines", "dynamic sampling draws its rounds over the whole batch in one "
                        "engine; expected engines = 1, or algorithm.dynamic_sampling = false")
+        self._shards_rules()
         if ex.mode != "resident" or ex.kind != "slurm":
             return self
         if ex.resident.generator is not None and w % ex.resident.nodes:
@@ -99,6 +100,24 @@ class Experiment(Section):
                        f"{w} trainers + generate.engines = {n}) must spread evenly over {ex.resident.nodes} "
                        "nodes; or give the generator a node of its own ([executor.resident.generator])")
         return self
+
+    def _shards_rules(self) -> None:
+        g, a = self.generate, self.algorithm
+        if not g.shards:
+            return
+        if self.executor.mode != "resident" and g.shards != g.engines:
+            raise Rule("generate.shards", "the staged mode runs one shard per engine (a job array task "
+                       f"each); expected shards = 0 or {g.engines}, or executor.mode = \"resident\"")
+        if g.shards < g.engines:
+            raise Rule("generate.shards", f"every engine samples a shard; expected 0 or at least "
+                       f"generate.engines = {g.engines}, got {g.shards}")
+        if g.shards > a.prompts_per_iteration:
+            raise Rule("generate.shards", "each shard samples whole groups (every shards-th prompt); "
+                       f"expected at most algorithm.prompts_per_iteration = {a.prompts_per_iteration}, got "
+                       f"{g.shards}")
+        if g.shards > 1 and a.dynamic_sampling:
+            raise Rule("generate.shards", "dynamic sampling draws its rounds over the whole batch in one "
+                       "shard; expected shards = 0, or algorithm.dynamic_sampling = false")
 
 
 # Keys a resumed run may change; anything else must match the frozen config.

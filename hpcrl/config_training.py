@@ -212,6 +212,16 @@ class GenerateConfig(Section):
                          "job array of one task each, with executor.generate's resources per task. Resident: "
                          "this many generator tasks beside the trainers, each holding its engine for the "
                          "run, all loading every update's weights.")
+    shards: int = Field(0, ge=0, description="Resident mode: the shards each generation splits into (0: one "
+                        "per engine). Engine e samples shard e, then the next shard not taken, until none "
+                        "is left: a slow engine (long responses) holds a generation for one shard, not for a "
+                        "share of the batch; each shard costs a commit and makes vLLM's batches smaller. "
+                        "The staged mode runs one shard per engine.")
+
+    @property
+    def shard_count(self) -> int:
+        """The shards of a generate stage (hpcrl.shards): `shards`, or one per engine."""
+        return self.shards or self.engines
 
 
 class RewardModelConfig(Section):

@@ -7,9 +7,11 @@ their own ("engine<e>", hpcrl.roles):
 - "sync": an update's weights, from the same send of trainer 0 that reaches engine 0 (one
   broadcast to every engine's workers, or the shared-memory buffer or directory its handoff
   names), then the probe's logprobs, which the leader checks against the trainer's;
-- "generate": its shard of an iteration's generate stage (every N-th request, hpcrl.shards),
-  committed under iter_K/generate.shards/ as a staged shard job commits it, once the update that
-  made its policy is committed;
+- generate: shards of an iteration's generate stage (hpcrl.shards), each committed under
+  iter_K/generate.shards/ as a staged shard job commits it, once the update that made its policy
+  is committed: engine e samples shard e, then claims the next one no engine has taken (a counter
+  in the job's store), until none is left (`claim_shards`; generate.shards > N balances engines
+  of unequal speed);
 - "stop".
 
 Every engine loads every version the leader loads, so all hold the same policy. `Fleet` is the
@@ -21,7 +23,7 @@ from __future__ import annotations
 import os
 import time
 
-from hpcrl import commit, resident_sync, transports
+from hpcrl import commit, resident_sync, stage_kinds, transports
 from hpcrl.config import Experiment
 from hpcrl.roles import ControlPlane
 from hpcrl.rundir import RunDir
@@ -66,7 +68,7 @@ class Engine:
         self.gen, self.sync = open_engine(exp, run, plane, index)
 
     def serve(self) -> None:
-        ops = {"load": self._load, "sync": self._sync, "generate": self._generate}
+        ops = {"load": self._load, "sync": self._sync, GENERATE: self._generate}
         while (cmd := self.plane.receive(self.channel))["op"] != "stop":
             self.plane.reply(ops[cmd["op"]](cmd), self.channel)
         self.plane.stop_monitor()  # before trainer 0, which hosts the store, ends
@@ -95,9 +97,21 @@ class Engine:
                                f"of iteration {k} needs {cmd['version']}")
         self.gen.await_policy = (lambda: self.plane.wait_signal(f"committed/{made_by}")) \
             if made_by is not None else None
-        run_stage(GENERATE, self.run.root, k, self.gen.run, startup=0.0,
-                  shard=(self.index, self.exp.generate.engines))
-        return {}
+        return {"shards": claim_shards(self.plane, self.gen, self.run, k, self.index, cmd["claim"])}
+
+
+def claim_shards(plane: ControlPlane, gen, run: RunDir, iteration: int, engine: int, key: str) -> list[int]:
+    """The shards of the generation of `iteration` this engine samples and commits: its own
+    (shard `engine`), then those it claims from the counter `key` of the job's store (one past the
+    engines' own, counted atomically by every engine), until none is left. A shard committed by an
+    earlier attempt is not sampled again."""
+    n, engines = stage_kinds.kind(GENERATE).shards(gen.exp), gen.exp.generate.engines
+    taken, i = [], engine
+    while i < n:
+        run_stage(GENERATE, run.root, iteration, gen.run, startup=0.0, shard=(i, n))
+        taken.append(i)
+        i = engines + plane.store.add(key, 1) - 1
+    return taken
 
 
 class Fleet:

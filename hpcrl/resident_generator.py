@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import time
 
-from hpcrl import commit, plan, resident_engines, resident_sync, stage_kinds, transports, weight_sync
+from hpcrl import plan, resident_engines, resident_sync, stage_kinds, transports, weight_sync
 from hpcrl.config import Experiment
 from hpcrl.roles import ControlPlane
 from hpcrl.rundir import RunDir
@@ -71,19 +71,20 @@ class Generator:
         self.plane.stop_monitor()
 
     def _generate(self, k: int) -> None:
-        """The generate stage of iteration k: whole on one engine, or a shard on each engine (those
-        not committed: a resumed run keeps the others), merged in one engine's order (hpcrl.shards)."""
-        n = self.exp.generate.engines
+        """The generate stage of iteration k: whole on one engine, or in shards over the engines
+        (resident_engines.claim_shards; those committed by an earlier attempt are kept), merged in
+        one engine's order (hpcrl.shards)."""
+        kind = stage_kinds.kind(GENERATE)
+        n = kind.shards(self.exp)
         if n == 1:
             run_stage(GENERATE, self.run.root, k, self.gen.run, startup=0.0)
             return
-        todo = [i for i in range(n) if not commit.is_committed(self.run.shard_dir(k, GENERATE, i, n))]
-        sent = self.fleet.send({"op": "generate", "iteration": k, "version": self.gen.version,
-                                "await": self.made_by}, todo)
-        if 0 in todo:
-            run_stage(GENERATE, self.run.root, k, self.gen.run, startup=0.0, shard=(0, n))
+        claim = f"claim/{GENERATE}/{k}"
+        sent = self.fleet.send({"op": GENERATE, "iteration": k, "version": self.gen.version,
+                                "await": self.made_by, "claim": claim})
+        resident_engines.claim_shards(self.plane, self.gen, self.run, k, 0, claim)
         self.fleet.wait(sent)
-        merge, sync_metrics = stage_kinds.kind(GENERATE).merge_function(), self.gen.metrics
+        merge, sync_metrics = kind.merge_function(), self.gen.metrics
 
         def merged(ctx) -> None:
             merge(ctx, n)

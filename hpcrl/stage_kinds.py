@@ -68,7 +68,7 @@ def register(kind: Kind) -> Kind:
 
 
 register(Kind(GENERATE, "hpcrl.generation:GenerateStage", samples_policy=True, short="gen",
-              merge="hpcrl.generation:merge_shards", shards_key="generate.engines"))
+              merge="hpcrl.generation:merge_shards", shards_key="generate.shard_count"))
 register(Kind(SCORE, "hpcrl.scoring:ScoreStage", reads=((0, GENERATE),), short="score",
               merge="hpcrl.scoring:merge_shards", shards_key="executor.score.tasks"))
 register(Kind(UPDATE, "hpcrl.update:UpdateStage", reads=((0, GENERATE), (0, SCORE), (-1, UPDATE)),

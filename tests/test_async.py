@@ -145,9 +145,9 @@ def test_two_engines_and_two_score_tasks_commit_what_one_of_each_does(staged_asy
         assert sum(scored) == rows and (min(scored) > 0 or k == exp.run.iterations), (k, scored)
 
 
-def _like_one_engine(ref: RunDir, run: RunDir, exp) -> None:
-    """`run`, made by two engines, committed what `ref` (one engine, max_val_prompts unset) did:
-    every training table, the one validation prompt's rows, and each generation from two
+def _like_one_engine(ref: RunDir, run: RunDir, exp, n: int = 2) -> None:
+    """`run`, made by several engines, committed what `ref` (one engine, max_val_prompts unset)
+    did: every training table, the one validation prompt's rows, and each generation from `n`
     disjoint shards committed before it."""
     last = exp.run.iterations
     _same_outputs(ref, run, exp, iterations=last)  # the training iterations
@@ -159,16 +159,17 @@ def _like_one_engine(ref: RunDir, run: RunDir, exp) -> None:
     for k in range(last + 1):
         stage = run.stage_dir(k, GENERATE)
         manifest = commit.read_manifest(stage)
-        parts = [run.shard_dir(k, GENERATE, i, 2) for i in range(2)]
+        parts = [run.shard_dir(k, GENERATE, i, n) for i in range(n)]
         shard_manifests = [commit.read_manifest(d) for d in parts]
-        assert [m["shard"] for m in shard_manifests] == [[0, 2], [1, 2]]
+        assert [m["shard"] for m in shard_manifests] == [[i, n] for i in range(n)]
         assert all(m["committed_at"] < manifest["committed_at"] for m in shard_manifests)
         tables = [pq.read_table(d / "rollouts.parquet") for d in parts]
         prompts = [set(t["prompt_index"].to_pylist()) for t in tables]
-        assert prompts[0] and (prompts[1] or k == last) and not prompts[0] & prompts[1], k
+        assert prompts[0] and (all(prompts) or k == last), k
+        assert sum(len(p) for p in prompts) == len(set().union(*prompts)), k  # disjoint
         rows = pq.read_metadata(stage / "rollouts.parquet").num_rows
         assert sum(t.num_rows for t in tables) == rows
-        assert {f"generate.shards/{i}-of-2@iter_{k:06d}" for i in range(2)} <= set(manifest["inputs"])
+        assert {f"generate.shards/{i}-of-{n}@iter_{k:06d}" for i in range(n)} <= set(manifest["inputs"])
         assert manifest["utilisation"]["devices"] == sum(m["utilisation"]["devices"] for m in shard_manifests)
 
 
@@ -187,19 +188,21 @@ def _kill_task(proc: subprocess.Popen, task: int) -> int:
 
 
 def test_two_resident_engines_commit_what_one_does_even_when_one_is_killed(staged_async, write_experiment):
-    """pins (generate.engines in the resident mode, hpcrl.resident_engines): an engine that samples
-    other prompts or with another version than engine 0, misses an update's weights (its probe is
-    checked), a merge before every shard is committed, or a retry that samples a committed shard
-    again. Engine 1 is killed once it has committed its shard of iteration 0: the job stops (no
-    later generation can commit without it), the controller resubmits it, and the run ends as one
-    engine's, its updates' weights loaded by both engines of the second job."""
-    path = write_experiment("resident-engines", generate={"engines": 2}, data={"max_val_prompts": 1},
-                            executor={**RESIDENT, "max_retries": 1}, **ASYNC)
+    """pins (generate.engines and generate.shards in the resident mode, hpcrl.resident_engines): an
+    engine that samples other prompts or with another version than engine 0, misses an update's
+    weights (its probe is checked), two engines claiming one shard, a shard nobody claims, a merge
+    before every shard is committed, or a retry that samples a committed shard again. Two engines
+    share four shards each generation; engine 1 is killed once it has committed its own shard
+    (1 of 4) of iteration 0: the job stops (no later generation can commit without it), the
+    controller resubmits it, and the run ends as one engine's, its updates' weights loaded by both
+    engines of the second job."""
+    path = write_experiment("resident-engines", generate={"engines": 2, "shards": 4},
+                            data={"max_val_prompts": 1}, executor={**RESIDENT, "max_retries": 1}, **ASYNC)
     exp = config.load(path)
     run = RunDir.at(exp.run_dir)
     proc = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    shard = run.shard_dir(0, GENERATE, 1, 2)
+    shard = run.shard_dir(0, GENERATE, 1, 4)
     deadline = time.monotonic() + 600
     while not commit.is_committed(shard):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
@@ -212,7 +215,7 @@ def test_two_resident_engines_commit_what_one_does_even_when_one_is_killed(stage
     assert [j["role"] for j in run.jobs()].count("resident") == 2  # resubmitted once
     assert commit.read_manifest(shard)["committed_at"] == first_commit  # kept, not sampled again
     _checks(run, exp)
-    _like_one_engine(staged_async, run, exp)
+    _like_one_engine(staged_async, run, exp, n=4)
     synced = commit.read_manifest(run.stage_dir(2, GENERATE))["metrics"]
     assert synced["sync/logp_diff"] < 1e-4 < synced["sync/update_shift"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from hpcrl import shards, utilisation
+from hpcrl import shards, stage_kinds, utilisation
 
 
 def _one_engine(train: list[int], group: int, val: list[int], baseline: bool = False) -> pa.Table:
@@ -110,6 +110,27 @@ def test_several_engines_are_refused_where_they_are_not_built(write_experiment, 
     with pytest.raises(ConfigError, match=rf"generate\.engines.*{why}"):
         config.load(write_experiment("engines", generate={"engines": 2}, **overrides))
     config.load(write_experiment("one", generate={"engines": 1}, **overrides))
+
+
+@pytest.mark.parametrize(("shards", "mode", "why"), [
+    (3, "staged", "the staged mode runs one shard per engine"),
+    (1, "resident", "every engine samples a shard"),
+    (9, "resident", "each shard samples whole groups"),
+])
+def test_shard_counts_are_refused_where_they_cannot_run(write_experiment, shards, mode, why):
+    """pins (generate.shards): a staged array of more shards than engines, an engine left without a
+    shard, or a shard without a prompt of its own."""
+    from hpcrl import config
+    from hpcrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"generate\.shards.*{why}"):
+        config.load(write_experiment("shards", generate={"engines": 2, "shards": shards},
+                                     executor={"mode": mode}))
+    kind = stage_kinds.kind(stage_kinds.GENERATE)
+    ok = config.load(write_experiment("ok", generate={"engines": 2, "shards": 8},
+                                      executor={"mode": "resident"}))
+    assert kind.shards(ok) == 8
+    assert kind.shards(config.load(write_experiment("two", generate={"engines": 2}))) == 2
 
 
 def test_score_tasks_are_refused_in_the_resident_mode(write_experiment):
