@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from hpcrl import checkpoint_view, commit, losses, moe, policy_model, trainer
-from hpcrl.batches import MicroBatch, Samples, micro_batches, padded, response_outputs, response_values
+from hpcrl.batches import MicroBatch, Samples, padded, response_outputs, response_values
 from hpcrl.config import Experiment
 from hpcrl.stage import StageContext
 from hpcrl.weight_sync import Named
@@ -104,15 +104,15 @@ class Actor:
         the token losses are weighted by the truncated importance weight of old over sampler."""
         exp, engine = self.exp, self.engine
         n_tokens = sum(len(samples.response_ids[i]) for i in mini)
-        mbs = micro_batches(samples, trainer.rank_rows(mini, self.rank, self.world_size),
-                            exp.update.micro_batch_size, self.pad_id, exp.update.share_prompts)
-        scale = self.world_size * len(mbs)  # undo DeepSpeed's mean over ranks and micro-batches
+        mbs = trainer.step_micro_batches(samples, mini, self.rank, self.world_size, exp.update, self.pad_id)
+        scale = trainer.gradient_scale(engine, exp.update, len(mbs), self.world_size)
         names = STAT_NAMES + (OFF_POLICY_NAMES if self.off_policy else ())
         sums = dict.fromkeys(names, 0.0)
         weight_max, behaviour_max = 0.0, 0.0
         fresh_old, routed = {}, []
         tally = self.router
-        for mb in mbs:
+        for j, mb in enumerate(mbs):
+            trainer.mark_boundary(engine, exp.update, j == len(mbs) - 1)
             mb = mb.to(engine.device)
             logits = response_outputs(engine, mb, tally=tally)
             logp = losses.token_logprobs(logits, mb.targets, exp.generate.temperature or 1.0)

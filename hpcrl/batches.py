@@ -2,7 +2,7 @@
 how rows become tensors, and how a model's per-token outputs
 (logits, values) for their response tokens are computed.
 
-A micro-batch comes in one of two layouts, and the code that uses it does not need to know which:
+A micro-batch comes in one of three layouts, and the code that uses it does not need to know which:
 `targets` and `mask` are aligned with what `response_outputs` returns, and `padded` /
 `response_values` move per-row values in and out of that alignment.
 
@@ -14,6 +14,10 @@ A micro-batch comes in one of two layouts, and the code that uses it does not ne
   rest come from the response pass. Autograd carries every row's gradient back through the cache
   into the one prompt pass, so the loss and its gradient are the plain layout's (to float
   rounding), for (prompt + n x response) instead of n x (prompt + response) tokens of compute.
+- packed (`update.max_tokens_per_micro_batch`): micro-batches are built by a token budget (`pack`)
+  and their rows run end to end as one sequence, each row's positions from 0, so the model keeps
+  attention within each row (transformers' packed-sequence mask) and no padding is computed; the
+  outputs at the response tokens come back as [rows, longest response], as in the shared layout.
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ class Samples:
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    def lengths(self, rows: list[int]) -> list[int]:
+        """Tokens (prompt + response) of each of `rows`."""
+        return [len(self.prompt_ids[i]) + len(self.response_ids[i]) for i in rows]
 
 
 def load_samples(rollouts: pa.Table, scores: pa.Table) -> Samples:
@@ -96,18 +104,24 @@ class MicroBatch:
     attention_mask: torch.Tensor
     targets: torch.Tensor  # the token each output position is about
     mask: torch.Tensor  # 1 where that token is a response token
-    position_ids: torch.Tensor | None = None  # shared prompts: the responses' positions
+    position_ids: torch.Tensor | None = None  # shared prompts: the responses' positions; packed: each row's
     prompts: SharedPrompts | None = None
+    packed: torch.Tensor | None = None  # packed: the positions whose outputs are about response tokens
 
     def to(self, device) -> MicroBatch:
         moved = (t.to(device) for t in (self.input_ids, self.attention_mask, self.targets, self.mask))
         return MicroBatch(self.index, *moved,
                           position_ids=None if self.position_ids is None else self.position_ids.to(device),
-                          prompts=None if self.prompts is None else self.prompts.to(device))
+                          prompts=None if self.prompts is None else self.prompts.to(device),
+                          packed=None if self.packed is None else self.packed.to(device))
 
 
-def collate(samples: Samples, rows: list[int], pad_id: int, share_prompts: bool = False) -> MicroBatch:
-    """The rows as one micro-batch; with `share_prompts`, in the shared layout when a prompt repeats."""
+def collate(samples: Samples, rows: list[int], pad_id: int, share_prompts: bool = False,
+            packed: bool = False) -> MicroBatch:
+    """The rows as one micro-batch; with `share_prompts`, in the shared layout when a prompt repeats;
+    `packed`: end to end."""
+    if packed:
+        return _collate_packed(samples, rows, pad_id)
     distinct = {tuple(samples.prompt_ids[i]): None for i in rows}
     if share_prompts and len(distinct) < len(rows):
         return _collate_shared(samples, rows, pad_id, [list(p) for p in distinct])
@@ -146,9 +160,91 @@ def _collate_shared(samples: Samples, rows: list[int], pad_id: int, prompts: lis
                       position_ids=lengths[:, None] + torch.arange(width)[None], prompts=shared)
 
 
-def micro_batches(samples: Samples, rows: list[int], size: int, pad_id: int,
-                  share_prompts: bool = False) -> list[MicroBatch]:
+def _collate_packed(samples: Samples, rows: list[int], pad_id: int) -> MicroBatch:
+    seqs = [samples.prompt_ids[i] + samples.response_ids[i] for i in rows]
+    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)[None]
+    position_ids = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    width = max(1, max(len(samples.response_ids[i]) for i in rows))
+    targets = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.float32)
+    keep, start = [], 0
+    for b, (i, seq) in enumerate(zip(rows, seqs, strict=True)):
+        p, r = len(samples.prompt_ids[i]), len(samples.response_ids[i])
+        targets[b, :r] = torch.tensor(samples.response_ids[i], dtype=torch.long)
+        mask[b, :r] = 1.0
+        keep += range(start + p - 1, start + p - 1 + r)  # the output at t is about token t + 1
+        start += len(seq)
+    return MicroBatch(torch.tensor(rows), ids, torch.ones_like(ids), targets, mask, position_ids=position_ids,
+                      packed=torch.tensor(keep, dtype=torch.long))
+
+
+def pack(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Positions 0..n-1 of sequences of `lengths` tokens, in order, grouped into consecutive
+    micro-batches of at most `max_tokens` tokens (a longer sequence goes alone)."""
+    groups: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        if groups and used + n <= max_tokens:
+            groups[-1].append(i)
+            used += n
+        else:
+            groups.append([i])
+            used = n
+    return groups
+
+
+def even_out(groups: list[list[int]], count: int, lengths: list[int]) -> list[list[int]]:
+    """`groups` (consecutive positions) made exactly `count` consecutive groups: the group of most
+    tokens split at its token midpoint while there are too few, the adjacent pair of fewest tokens
+    joined while there are too many. So every rank of a multi-rank update runs as many
+    micro-batches (DeepSpeed reduces gradients collectively at the last)."""
+    groups = [list(g) for g in groups]
+    if not 0 < count <= sum(len(g) for g in groups):
+        raise ValueError(f"{count} micro-batches of {sum(len(g) for g in groups)} sequences")
+
+    def size(g: list[int]) -> int:
+        return sum(lengths[i] for i in g)
+
+    while len(groups) < count:
+        j = max((j for j, g in enumerate(groups) if len(g) > 1), key=lambda j: size(groups[j]))
+        groups[j: j + 1] = _halves(groups[j], lengths)
+    while len(groups) > count:
+        j = min(range(len(groups) - 1), key=lambda j: size(groups[j]) + size(groups[j + 1]))
+        groups[j: j + 2] = [groups[j] + groups[j + 1]]
+    return groups
+
+
+def _halves(group: list[int], lengths: list[int]) -> list[list[int]]:
+    """`group` cut in two where its first part reaches half its tokens (each part one row at least)."""
+    half, run = sum(lengths[i] for i in group) / 2, 0
+    for cut in range(1, len(group)):
+        run += lengths[group[cut - 1]]
+        if run >= half:
+            break
+    return [group[:cut], group[cut:]]
+
+
+def micro_batches(samples: Samples, rows: list[int], size: int, pad_id: int, share_prompts: bool = False,
+                  max_tokens: int = 0) -> list[MicroBatch]:
+    """`rows` in micro-batches of `size` rows, or packed to at most `max_tokens` tokens each."""
+    if max_tokens:
+        return [collate(samples, [rows[j] for j in g], pad_id, packed=True)
+                for g in pack(samples.lengths(rows), max_tokens)]
     return [collate(samples, rows[i: i + size], pad_id, share_prompts) for i in range(0, len(rows), size)]
+
+
+def step_micro_batches(samples: Samples, shares: list[list[int]], rank: int, size: int, pad_id: int,
+                       share_prompts: bool = False, max_tokens: int = 0) -> list[MicroBatch]:
+    """Rank `rank`'s micro-batches of one optimizer step over every rank's rows `shares`: as
+    `micro_batches` its share, and packed, as many on every rank (`even_out`; a micro-batch may then
+    exceed the budget)."""
+    mine = shares[rank]
+    if not max_tokens:
+        return micro_batches(samples, mine, size, pad_id, share_prompts)
+    count = min(max(len(pack(samples.lengths(s), max_tokens)) for s in shares), min(len(s) for s in shares))
+    lengths = samples.lengths(mine)
+    return [collate(samples, [mine[j] for j in g], pad_id, packed=True)
+            for g in even_out(pack(lengths, max_tokens), count, lengths)]
 
 
 def response_outputs(model, mb: MicroBatch, field: str = "logits",
@@ -162,6 +258,15 @@ def response_outputs(model, mb: MicroBatch, field: str = "logits",
     def run(weights, forward):
         return tally.routed(weights, forward) if tally is not None else forward()
 
+    if mb.packed is not None:  # no attention mask: the positions tell the model where each row starts
+        keep = {"logits_to_keep": mb.packed} if field == "logits" else {}
+        out = run(mb.attention_mask, lambda: model(input_ids=mb.input_ids, position_ids=mb.position_ids,
+                                                   attention_mask=None, use_cache=False, **keep))
+        flat = getattr(out, field)[0]
+        flat = flat if keep else flat[mb.packed]
+        rows = flat.new_zeros((*mb.mask.shape, *flat.shape[1:]))
+        rows[mb.mask.bool()] = flat
+        return rows
     if mb.prompts is None:
         out = run(mb.attention_mask, lambda: model(input_ids=mb.input_ids, attention_mask=mb.attention_mask))
         return getattr(out, field)[:, :-1]

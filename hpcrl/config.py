@@ -21,6 +21,7 @@ import tomli_w
 from pydantic import BaseModel, ValidationError, model_validator
 
 from hpcrl.config_jobs import SBATCH_OPTION, SBATCH_VALUE, ExecutorConfig, ResidentExecutor, StagedExecutor
+from hpcrl.config_reward import RewardConfig, RewardHttpConfig, RewardModelConfig
 from hpcrl.config_section import ConfigError, PathStr, Rule, Section
 from hpcrl.config_training import (
     AlertsConfig,
@@ -28,9 +29,6 @@ from hpcrl.config_training import (
     DataConfig,
     GenerateConfig,
     ModelConfig,
-    RewardConfig,
-    RewardHttpConfig,
-    RewardModelConfig,
     RunConfig,
     TrackingConfig,
     UpdateConfig,

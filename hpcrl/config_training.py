@@ -1,13 +1,13 @@
 """The sections of the experiment config that say what a run computes: [run], [model], [data],
-[algorithm] (with [algorithm.kl] and, for ppo, [algorithm.critic]), [generate], [reward],
-[update] and [tracking]. Each key has its default and meaning; rules between keys of one section
-are validators on it. Assembled into the experiment by hpcrl.config.
+[algorithm] (with [algorithm.kl] and, for ppo, [algorithm.critic]), [generate], [update],
+[tracking] and [alerts] ([reward] is hpcrl.config_reward's). Each key has its default and
+meaning; rules between keys of one section are validators on it. Assembled into the experiment
+by hpcrl.config.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
@@ -224,77 +224,6 @@ class GenerateConfig(Section):
         return self.shards or self.engines
 
 
-class RewardModelConfig(Section):
-    path: PathStr = Field("", description="HF sequence-classification reward model (num_labels = 1) scoring "
-                          "prompt + response as component `model`; empty: none.")
-    weight: float = Field(1.0, description="Weight of the reward model's score in the reward.")
-    batch_size: int = Field(16, ge=1, description="Samples per forward pass of the reward model.")
-    max_length: int = Field(1024, ge=8, description="Longest prompt + response in reward-model tokens; "
-                            "longer samples lose tokens from the start.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the reward model runs; auto: "
-                                                   "cuda when the score job sees a GPU, else cpu.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Reward model weights dtype; auto: as saved.")
-
-
-class RewardHttpConfig(Section):
-    url: str = Field("", description="Reward service that scores batches of samples as component `http` "
-                     "(docs/data-and-rewards.md: the HTTP protocol); empty: none.")
-    weight: float = Field(1.0, description="Weight of the service's score in the reward.")
-    batch_size: int = Field(32, ge=1, description="Samples per request.")
-    concurrency: int = Field(4, ge=1, description="Requests in flight at once.")
-    timeout_s: float = Field(60.0, gt=0, description="Seconds a request may take, from connecting to the "
-                             "last byte of the answer, however slowly the service sends it.")
-    retries: int = Field(3, ge=0, description="Retries of a request that could not connect, timed out or got "
-                         "HTTP 408, 429, 500, 502, 503 or 504; then the score stage fails.")
-    backoff_s: float = Field(1.0, ge=0, description="Wait before the first retry in seconds; doubled for "
-                             "each further retry.")
-    max_body_mb: float = Field(16.0, gt=0, description="Largest answer in MB; a larger one fails the score "
-                               "stage (not retried).")
-
-    @field_validator("url")
-    @classmethod
-    def _http_url(cls, v: str) -> str:
-        if not v:
-            return v
-        parts = urlsplit(v)
-        try:
-            parts.port  # noqa: B018 -- raises ValueError on a port that is not a number in range
-        except ValueError:
-            raise ValueError("expected an http:// or https:// URL with a valid port") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("expected an http:// or https:// URL with a host, e.g. "
-                             "http://rm-node:8000/score")
-        return v
-
-
-class RewardConfig(Section):
-    functions: list[str] = Field(["hpcrl.rewards:exact_match"], description="Reward functions as "
-                                 "`module:function`; the reward is the weighted sum of these and the reward "
-                                 "model and service below.")
-    weights: list[float] = Field([], description="One weight per function; empty means all 1.")
-    overlong_buffer: int = Field(0, ge=0, description="DAPO overlong penalty: training responses longer than "
-                                 "generate.max_tokens minus this many tokens lose reward linearly (0: off).")
-    overlong_penalty_factor: float = Field(1.0, ge=0, description="Penalty at generate.max_tokens for the "
-                                           "overlong penalty.")
-    workers: int = Field(0, ge=0, description="Reward worker processes (0: score in the stage's own "
-                         "process).")
-    model: RewardModelConfig = Field(RewardModelConfig(), description="Reward model backend "
-                                     "(hpcrl/reward_backends.py).")
-    http: RewardHttpConfig = Field(RewardHttpConfig(), description="HTTP reward service backend "
-                                   "(hpcrl/reward_backends.py).")
-
-    @model_validator(mode="after")
-    def _sources(self) -> RewardConfig:
-        if not (self.functions or self.model.path or self.http.url):
-            raise Rule("", "no reward source: expected reward.functions, reward.model.path or "
-                           "reward.http.url")
-        if self.weights and len(self.weights) != len(self.functions):
-            raise Rule("weights", f"expected {len(self.functions)} weights (one per reward.functions entry), "
-                                  f"got {len(self.weights)}")
-        return self
-
-
 class UpdateConfig(Section):
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -302,6 +231,12 @@ class UpdateConfig(Section):
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per pass (the batch is split into this "
                               "many).")
     micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward per rank.")
+    max_tokens_per_micro_batch: int = Field(
+        0, ge=0, description="0: micro-batches of micro_batch_size rows, each right-padded to its longest. "
+        "Else micro-batches of consecutive rows up to this many tokens (prompt + response; a longer row goes "
+        "alone), run end to end as one sequence with attention kept within each row: no compute or "
+        "activation memory on padding, and memory bounded by the budget rather than by the longest row. "
+        "The same loss and gradients (to float rounding). Needs share_prompts = false.")
     share_prompts: bool = Field(True, description="Run each distinct prompt of a micro-batch once and its "
                                 "responses on its KV cache (a GRPO group's samples share one prompt): the "
                                 "same loss and gradient (to float rounding) for fewer tokens of compute. "
@@ -349,6 +284,10 @@ class UpdateConfig(Section):
         if self.gradient_checkpointing and self.share_prompts:
             raise Rule("gradient_checkpointing", "a layer recomputed in the backward pass cannot reuse a "
                                                  "prompt's KV cache; expected share_prompts = false with it")
+        if self.max_tokens_per_micro_batch and self.share_prompts:
+            raise Rule("max_tokens_per_micro_batch", "packed rows run whole, end to end, and a shared prompt "
+                       "runs once for its rows; expected share_prompts = false with it (docs/memory.md says "
+                       "when each wins)")
         return self
 
 

@@ -82,8 +82,9 @@ class Critic:
         """Values at the response tokens of `rows` (all ranks together, gathered)."""
         self.engine.eval()
         out = {}
-        for mb in batches.micro_batches(samples, rows, self.exp.update.micro_batch_size, self.pad_id,
-                                        self.exp.update.share_prompts):
+        u = self.exp.update
+        for mb in batches.micro_batches(samples, rows, u.micro_batch_size, self.pad_id, u.share_prompts,
+                                        u.max_tokens_per_micro_batch):
             mb = mb.to(self.engine.device)
             values = batches.response_outputs(self.engine, mb, "values")
             for i, v in zip(mb.index.tolist(), batches.response_values(values, mb), strict=True):
@@ -96,11 +97,11 @@ class Critic:
         a, u = self.exp.algorithm, self.exp.update
         self.engine.train()
         n_tokens = sum(len(samples.response_ids[i]) for i in mini)
-        mbs = batches.micro_batches(samples, trainer.rank_rows(mini, self.rank, self.world_size),
-                                    u.micro_batch_size, self.pad_id, u.share_prompts)
-        scale = self.world_size * len(mbs)  # undo DeepSpeed's mean over ranks and micro-batches
+        mbs = trainer.step_micro_batches(samples, mini, self.rank, self.world_size, u, self.pad_id)
+        scale = trainer.gradient_scale(self.engine, u, len(mbs), self.world_size)
         sums = dict.fromkeys(STAT_NAMES, 0.0)
-        for mb in mbs:
+        for j, mb in enumerate(mbs):
+            trainer.mark_boundary(self.engine, u, j == len(mbs) - 1)
             mb = mb.to(self.engine.device)
             values = batches.response_outputs(self.engine, mb, "values")
             out = losses.value_loss(values, batches.padded(old_values, mb), batches.padded(returns, mb),

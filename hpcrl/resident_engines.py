@@ -15,7 +15,10 @@ their own ("engine<e>", hpcrl.roles):
 - "stop".
 
 Every engine loads every version the leader loads, so all hold the same policy. `Fleet` is the
-leader's side: a command to the other engines, then their replies.
+leader's side: a command to the other engines, then their replies. The shard counter is the one
+value of the job's store that is not signed (hpcrl.roles): a client without the job's secret could
+make the engines skip shards, which the merge then finds missing (the job stops), but could not
+change what a shard holds.
 """
 
 from __future__ import annotations

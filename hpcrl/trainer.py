@@ -15,8 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpcrl import losses
-from hpcrl.batches import Samples, micro_batches, response_outputs, response_values
+from hpcrl import batches, losses
+from hpcrl.batches import MicroBatch, Samples, micro_batches, response_outputs, response_values
 from hpcrl.config import Experiment
 
 DS_TAG = "state"
@@ -94,6 +94,29 @@ def engine_step(engine) -> float:
     return float(norm) if norm is not None else float("nan")
 
 
+def step_micro_batches(samples: Samples, mini: list[int], rank: int, world_size: int, u,
+                       pad_id: int) -> list[MicroBatch]:
+    """This rank's micro-batches of mini-batch `mini` for one optimizer step (hpcrl.batches:
+    `u.micro_batch_size` rows each, or packed, as many on every rank)."""
+    shares = [rank_rows(mini, r, world_size) for r in range(world_size)]
+    return batches.step_micro_batches(samples, shares, rank, u.micro_batch_size, pad_id, u.share_prompts,
+                                      u.max_tokens_per_micro_batch)
+
+
+def gradient_scale(engine, u, micro_batches: int, world_size: int) -> int:
+    """The factor that undoes DeepSpeed's mean over the ranks and the micro-batches of a step (it
+    divides each loss by gradient_accumulation_steps, which packed micro-batches need not number)."""
+    steps = engine.gradient_accumulation_steps() if u.max_tokens_per_micro_batch else micro_batches
+    return world_size * steps
+
+
+def mark_boundary(engine, u, last: bool) -> None:
+    """Packed micro-batches vary in number: DeepSpeed is told which one ends the accumulation (it
+    counts `gradient_accumulation_steps` micro-batches otherwise)."""
+    if u.max_tokens_per_micro_batch:
+        engine.set_gradient_accumulation_boundary(last)
+
+
 def rank_rows(rows: list[int], rank: int, world_size: int) -> list[int]:
     """This rank's contiguous share of `rows` (so a group's rows stay together on one rank)."""
     bounds = np.linspace(0, len(rows), world_size + 1).round().astype(int)
@@ -162,7 +185,9 @@ def logprobs_of(model, samples: Samples, rows: list[int], exp: Experiment, pad_i
     """Response-token logprobs of `rows` under `model` (all ranks together, gathered)."""
     out = {}
     temperature = exp.generate.temperature or 1.0
-    for mb in micro_batches(samples, rows, exp.update.micro_batch_size, pad_id, exp.update.share_prompts):
+    u = exp.update
+    for mb in micro_batches(samples, rows, u.micro_batch_size, pad_id, u.share_prompts,
+                            u.max_tokens_per_micro_batch):
         mb = mb.to(device)
         logits = response_outputs(model, mb)
         lp = losses.token_logprobs(logits, mb.targets, temperature)

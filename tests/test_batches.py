@@ -1,5 +1,6 @@
-"""Micro-batches with shared prompts give the plain layout's outputs and gradients; mini-batches
-keep groups together; ranks take contiguous shares. The model is the tiny task's (real Qwen2)."""
+"""Micro-batches with shared prompts or packed rows give the plain layout's outputs and gradients;
+packing fills a token budget; mini-batches keep groups together; ranks take contiguous shares.
+The model is the tiny task's (real Qwen2)."""
 
 from __future__ import annotations
 
@@ -51,15 +52,20 @@ def test_shared_prompts_give_the_plain_logprobs_and_gradients(policy):
     shared = collate(samples, rows, 0, share_prompts=True)
     # 13 rows, 4 distinct prompts
     assert shared.prompts is not None and shared.prompts.input_ids.shape[0] == 4
-    plain_lp, plain_grads = _logprobs_and_grads(policy, collate(samples, rows, 0), weights)
-    shared_lp, shared_grads = _logprobs_and_grads(policy, shared, weights)
+    _same_as_plain(policy, samples, rows, shared, weights)
+
+
+def _same_as_plain(model, samples, rows, mb, weights) -> None:
+    """Micro-batch `mb` of `rows` gives their plain layout's logprobs and gradients."""
+    plain_lp, plain_grads = _logprobs_and_grads(model, collate(samples, rows, 0), weights)
+    lp, grads = _logprobs_and_grads(model, mb, weights)
     for i in rows:
-        assert len(shared_lp[i]) == len(samples.response_ids[i])
-        torch.testing.assert_close(torch.tensor(shared_lp[i]), torch.tensor(plain_lp[i]), atol=2e-5, rtol=0)
-    assert shared_grads.keys() == plain_grads.keys()
+        assert len(lp[i]) == len(samples.response_ids[i])
+        torch.testing.assert_close(torch.tensor(lp[i]), torch.tensor(plain_lp[i]), atol=2e-5, rtol=0)
+    assert grads.keys() == plain_grads.keys()
     for name, grad in plain_grads.items():  # float32 sums in another order: rounding relative to the scale
         scale = float(grad.abs().max())
-        torch.testing.assert_close(shared_grads[name], grad, atol=5e-6 * max(scale, 1.0), rtol=1e-4, msg=name)
+        torch.testing.assert_close(grads[name], grad, atol=5e-6 * max(scale, 1.0), rtol=1e-4, msg=name)
     assert any(g.abs().max() > 1e-3 for g in plain_grads.values())  # the comparison is not of zeros
 
 
@@ -135,6 +141,61 @@ def test_gradient_checkpointing_needs_rows_run_whole(write_experiment):
     whole = {"gradient_checkpointing": True, "share_prompts": False}
     exp = config.load(write_experiment("ckpt", update=whole))
     assert exp.update.gradient_checkpointing
+
+
+def test_packed_rows_give_the_plain_logprobs_values_and_gradients(policy, tiny_task):
+    """update.max_tokens_per_micro_batch: rows end to end in one sequence. pins: attention that
+    crosses into the previous row (positions not restarted, or a mask that lets it), an output
+    taken one position off, a row's response placed under another row, or a gradient lost in
+    the re-layout."""
+    samples = _samples(policy.config.vocab_size)
+    rows = [12, 0, 5, 3, 9]  # rows of different prompts and lengths, not in order
+    weights = {i: [(-1.0) ** (i + t) * (1 + t) for t in range(len(r))]
+               for i, r in enumerate(samples.response_ids)}
+    packed = collate(samples, rows, 0, packed=True)
+    assert packed.input_ids.shape == (1, sum(samples.lengths(rows)))
+    _same_as_plain(policy, samples, rows, packed, weights)
+    model = load_value_model(tiny_task / "model", torch.float32)
+    torch.nn.init.normal_(model.value_head.weight, std=0.1)
+    with torch.no_grad():
+        plain = response_values(response_outputs(model, collate(samples, rows, 0), "values"),
+                                collate(samples, rows, 0))
+        values = response_values(response_outputs(model, packed, "values"), packed)
+    for a, b in zip(plain, values, strict=True):
+        torch.testing.assert_close(torch.tensor(b), torch.tensor(a), atol=2e-5, rtol=0)
+
+
+def test_packing_fills_a_token_budget_and_evens_out_the_ranks():
+    """pins (batches.pack, even_out): a budget exceeded by a pack of several rows, a row left out
+    or repeated, rows out of order, ranks with different numbers of micro-batches."""
+    assert batches.pack([5, 4, 3, 9, 2, 2], 9) == [[0, 1], [2], [3], [4, 5]]
+    assert batches.pack([12, 1], 9) == [[0], [1]]  # a row longer than the budget goes alone
+    assert batches.even_out([[0, 1], [2], [3], [4, 5]], 5, [5, 4, 3, 9, 2, 2]) == [[0], [1], [2], [3], [4, 5]]
+    assert batches.even_out([[0], [1], [2], [3]], 2, [5, 4, 3, 9]) == [[0, 1, 2], [3]]  # fewest tokens joined
+    assert batches.even_out([[0], [1], [2]], 2, [1, 1, 9]) == [[0, 1], [2]]
+    with pytest.raises(ValueError):
+        batches.even_out([[0, 1]], 3, [1, 1])
+    samples = _samples(1000)
+    shares = [list(range(0, 7)), list(range(7, 13))]
+    mbs = [batches.step_micro_batches(samples, shares, r, 64, 0, max_tokens=40) for r in range(2)]
+    assert len(mbs[0]) == len(mbs[1]) > 1
+    for r, share in enumerate(shares):
+        assert sum((mb.index.tolist() for mb in mbs[r]), []) == share
+    one = micro_batches(samples, shares[0], 64, 0, max_tokens=40)
+    assert all(mb.input_ids.shape[1] <= 40 or len(mb.index) == 1 for mb in one)
+    assert sum((mb.index.tolist() for mb in one), []) == shares[0]
+
+
+def test_packing_needs_rows_run_whole(write_experiment):
+    """pins: packing accepted with shared prompts (a shared prompt runs once for several rows)."""
+    from hpcrl import config
+    from hpcrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"update\.max_tokens_per_micro_batch.*share_prompts = false"):
+        config.load(write_experiment("pack", update={"max_tokens_per_micro_batch": 256}))
+    whole = {"max_tokens_per_micro_batch": 256, "share_prompts": False}
+    exp = config.load(write_experiment("pack", update=whole))
+    assert exp.update.max_tokens_per_micro_batch == 256
 
 
 def test_mini_batches_keep_groups_together_in_a_seeded_random_order():

@@ -137,12 +137,25 @@ def one_rank(tmp_path_factory, tiny_task):
 class ViewDumpingUpdate(executors.StageCall):
     """The update stage job, which also streams the policy's checkpoint view (what the resident
     sync sends: Actor.checkpoint_weights, under ZeRO-3 gathered layer by layer by every rank) after
-    saving; rank 0 writes it beside the run as view.safetensors."""
+    saving; rank 0 writes it beside the run as view.safetensors. Each rank writes the micro-batches
+    of each optimizer step to micro-<rank>.txt: their number, rows and widest input."""
 
     def __call__(self) -> None:
         from safetensors.torch import save_file
 
+        from hpcrl import trainer
         from hpcrl.actor import Actor
+
+        step = trainer.step_micro_batches
+
+        def counted(samples, mini, rank, *args):
+            mbs = step(samples, mini, rank, *args)
+            with open(f"{self.run_dir}/micro-{rank}.txt", "a") as f:
+                f.write(f"{len(mbs)} {sum(len(mb.index) for mb in mbs)} "
+                        f"{max(mb.input_ids.shape[1] for mb in mbs)}\n")
+            return mbs
+
+        trainer.step_micro_batches = counted
 
         save = Actor.save
 
@@ -156,15 +169,28 @@ class ViewDumpingUpdate(executors.StageCall):
         super().__call__()
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
-def test_two_ranks_match_one_rank_and_export_reloads_exactly(write_experiment, one_rank, zero_stage,
+@pytest.mark.parametrize(("zero_stage", "packed"), [(3, 0), (2, 40)], ids=["z3", "z2-packed"])
+def test_two_ranks_match_one_rank_and_export_reloads_exactly(write_experiment, one_rank, zero_stage, packed,
                                                              monkeypatch):
+    """Two ranks against one_rank; "packed": micro-batches of rows end to end up to 40 tokens
+    (update.max_tokens_per_micro_batch), as many on both ranks, DeepSpeed told which ends each
+    step. pins: packed micro-batches whose number DeepSpeed's accumulation count decides (a step
+    taken early, or a gradient scaled by the wrong count), or ranks reducing gradients a different
+    number of times."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setattr(executors, "_calls", lambda run, exp, stage, it: [ViewDumpingUpdate(
         "stages.update", str(run.root), it)])
-    run = _run_update(write_experiment, f"z{zero_stage}", zero_stage=zero_stage, world_size=2)
+    packing = {"max_tokens_per_micro_batch": packed, "share_prompts": False} if packed else {}
+    run = _run_update(write_experiment, f"z{zero_stage}-{packed}", zero_stage=zero_stage, world_size=2,
+                      **packing)
+    logs = [(run.root / f"micro-{r}.txt").read_text().splitlines() for r in range(2)]
+    steps = [[[int(x) for x in line.split()] for line in log] for log in logs]
+    assert [len(s) for s in steps] == [2, 2]  # one line per optimizer step and rank
+    for mine, theirs in zip(*steps, strict=True):
+        assert mine[0] == theirs[0]  # as many micro-batches on both ranks
+        assert not packed or (mine[0] > 1 and mine[2] <= packed)
     # the sync's view of the sharded policy is exactly the saved checkpoint
     view = load_file(run.root / "view.safetensors")
     assert view.keys() == _weights(run).keys()

@@ -1,16 +1,20 @@
 #!/usr/bin/env python
 """Memory and time of one update micro-batch at long sequence lengths, with and without the memory
-features (update.gradient_checkpointing), side by side in one run.
+features (update.gradient_checkpointing, update.max_tokens_per_micro_batch), side by side in one run.
 
-    python tools/bench_memory.py [--lengths 1024,4096,16384] [--features plain,checkpointing]
+    python tools/bench_memory.py [--lengths 1024,4096,16384] [--features plain,checkpointing] [--rows 1]
+    python tools/bench_memory.py --rows 4 --lengths 1024,4096 \
+        --features plain,packed,checkpointing,packed+checkpointing
 
 A ~10M-parameter Qwen2 (built here from a config, random weights; the tiny task's tokenizer size)
 runs the update's forward and backward (hpcrl.batches.collate and response_outputs, the policy
-loss's shape: a weighted sum of the response tokens' logprobs) on one sequence of the given
-length: a 16-token prompt and the rest response, rows whole. Each case runs in its own process;
-peak memory is that process's peak RSS (getrusage) on CPU, or torch's peak allocated on a GPU,
-and "over the model" subtracts what the process held once the model was built. Time per token is
-the forward and backward's wall time over the sequence's tokens (the median of --repeats).
+loss's shape: a weighted sum of the response tokens' logprobs) on one micro-batch of --rows
+sequences of the given length, halved from one row to the next (4 rows of 4096: 4096, 2048, 1024
+and 512 tokens), each a 16-token prompt and the rest response: right-padded to the longest
+("plain"), or end to end ("packed"). Each case runs in its own process; peak memory is that
+process's peak RSS (getrusage) on CPU, or torch's peak allocated on a GPU, and "over the model"
+subtracts what the process held once the model was built. Time per token is the forward and
+backward's wall time over the micro-batch's tokens, padding not counted (the median of --repeats).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def case(length: int, feature: str, repeats: int) -> dict:
+def case(length: int, feature: str, repeats: int, rows: int = 1) -> dict:
     """One (length, feature) in this process: peak memory and seconds per token."""
     import time
 
@@ -48,12 +52,16 @@ def case(length: int, feature: str, repeats: int) -> dict:
     cfg = Qwen2Config(**SHAPE, max_position_embeddings=max(length, 2048), attn_implementation="sdpa")
     gpu = torch.cuda.is_available()
     model = Qwen2ForCausalLM(cfg).to("cuda" if gpu else "cpu").train()
-    if feature == "checkpointing":
+    parts = feature.split("+")
+    if "checkpointing" in parts:
         checkpoint_layers(model)
-    ids = torch.randint(3, SHAPE["vocab_size"], (length,)).tolist()
-    samples = batches.Samples(None, [ids[:PROMPT]], [ids[PROMPT:]], [[0.0] * (length - PROMPT)],
-                              torch.zeros(1, dtype=torch.float64), torch.tensor([0]))
-    mb = batches.collate(samples, [0], 0).to(model.device)
+    vocab = SHAPE["vocab_size"]
+    seqs = [torch.randint(3, vocab, (max(length >> r, PROMPT + 1),)).tolist() for r in range(rows)]
+    samples = batches.Samples(None, [s[:PROMPT] for s in seqs], [s[PROMPT:] for s in seqs],
+                              [[0.0] * (len(s) - PROMPT) for s in seqs],
+                              torch.zeros(rows, dtype=torch.float64), torch.arange(rows))
+    mb = batches.collate(samples, list(range(rows)), 0, packed="packed" in parts).to(model.device)
+    tokens = sum(len(s) for s in seqs)
     base = torch.cuda.memory_allocated() / 2**20 if gpu else _rss_mb()
     times = []
     for _ in range(repeats):
@@ -71,7 +79,7 @@ def case(length: int, feature: str, repeats: int) -> dict:
         del logits, logp
     peak = torch.cuda.max_memory_allocated() / 2**20 if gpu else _rss_mb()
     params = sum(p.numel() for p in model.parameters())
-    return {"peak_mb": peak, "over_model_mb": peak - base, "s_per_token": statistics.median(times) / length,
+    return {"peak_mb": peak, "over_model_mb": peak - base, "s_per_token": statistics.median(times) / tokens,
             "params": params, "device": "gpu" if gpu else "cpu"}
 
 
@@ -80,25 +88,28 @@ def main() -> None:
     parser.add_argument("--lengths", default="1024,4096,16384")
     parser.add_argument("--features", default="plain,checkpointing")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=1, help="sequences in the micro-batch, halving in length")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # "length,feature": run one case, print JSON
     args = parser.parse_args()
     if args.case:
         length, feature = args.case.split(",")
-        print(json.dumps(case(int(length), feature, args.repeats)))
+        print(json.dumps(case(int(length), feature, args.repeats, args.rows)))
         return
     rows = []
     for length in (int(x) for x in args.lengths.split(",")):
         for feature in args.features.split(","):
             print(f"length {length} {feature}", file=sys.stderr, flush=True)
             out = subprocess.run([sys.executable, __file__, "--case", f"{length},{feature}",
-                                  "--repeats", str(args.repeats)], capture_output=True, text=True, cwd=REPO)
+                                  "--repeats", str(args.repeats), "--rows", str(args.rows)],
+                                 capture_output=True, text=True, cwd=REPO)
             if out.returncode != 0:
                 raise SystemExit(out.stderr[-3000:])
             rows.append((length, feature, json.loads(out.stdout.strip().splitlines()[-1])))
     params = rows[0][2]["params"] / 1e6
-    print(f"one micro-batch of one sequence, forward + backward; {params:.1f}M parameters; "
+    what = "one sequence" if args.rows == 1 else f"{args.rows} sequences, halving from the longest"
+    print(f"one micro-batch of {what}, forward + backward; {params:.1f}M parameters; "
           f"{rows[0][2]['device']}; peak memory of the process")
-    print("| tokens | feature | peak MB | over the model MB | ms per 1k tokens | memory vs plain "
+    print("| longest | feature | peak MB | over the model MB | ms per 1k tokens | memory vs plain "
           "| time vs plain |")
     print("|---|---|---|---|---|---|---|")
     plain = {length: r for length, feature, r in rows if feature == "plain"}
