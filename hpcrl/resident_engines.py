@@ -118,15 +118,14 @@ def claim_shards(plane: ControlPlane, gen, run: RunDir, iteration: int, engine: 
 
 
 class Fleet:
-    """The leader's side of engines 1..N-1: a command sent to each (or to some), then their replies
-    in engine order."""
+    """The leader's side of engines 1..N-1: a command sent to each, then their replies in engine
+    order."""
 
     def __init__(self, plane: ControlPlane, engines: int):
-        self.plane, self.engines = plane, range(1, engines)
+        self.plane, self.channels = plane, [f"engine{e}" for e in range(1, engines)]
 
-    def send(self, command: dict, engines=None) -> list[tuple[str, int]]:
-        chosen = [e for e in (self.engines if engines is None else engines) if e in self.engines]
-        return [(f"engine{e}", self.plane.send(command, f"engine{e}")) for e in chosen]
+    def send(self, command: dict) -> list[tuple[str, int]]:
+        return [(channel, self.plane.send(command, channel)) for channel in self.channels]
 
     def wait(self, sent: list[tuple[str, int]]) -> list[dict]:
         return [self.plane.wait_reply(seq, channel) for channel, seq in sent]
