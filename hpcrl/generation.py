@@ -83,11 +83,14 @@ def _cpu_list(cores: list[int]) -> str:
     return ",".join(runs)
 
 
-def make_engine(exp: Experiment, model_path: Path, seed: int, worker_extension_cls: str | None = None):
+def make_engine(exp: Experiment, model_path: Path, seed: int, worker_extension_cls: str | None = None,
+                load_format: str = "auto"):
+    """A vLLM engine over the model at `model_path`; with load_format "dummy", its architecture
+    with random weights (nothing read but its config), for weights sent to it afterwards."""
     configure_env(exp)
     from vllm import LLM
 
-    kwargs = {"tensor_parallel_size": exp.generate.tensor_parallel_size}
+    kwargs = {"tensor_parallel_size": exp.generate.tensor_parallel_size, "load_format": load_format}
     if on_gpu():
         kwargs["gpu_memory_utilization"] = exp.generate.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = exp.executor.mode == "resident" and exp.executor.resident.colocate
@@ -293,6 +296,13 @@ class GenerateStage(Stage):
         policy = commit.verified(self.rundir.policy_dir(version, self.exp.model.path))
         self.llm = make_engine(self.exp, policy, seed, extension)
         self.version = version
+
+    def setup_empty(self, seed: int) -> None:
+        """A resident engine that holds no policy yet (its version None): the model's architecture
+        with random weights, the weight receiver open for trainer 0's (hpcrl.resident_engines)."""
+        self.llm = make_engine(self.exp, Path(self.exp.model.path), seed, "hpcrl.vllm_ext.WeightReceiver",
+                               load_format="dummy")
+        self.version = None
 
     def run(self, ctx: StageContext) -> None:
         generate(ctx, self.llm, self.version, self.pool, self.await_policy)

@@ -14,7 +14,11 @@ their own ("engine<e>", hpcrl.roles):
   of unequal speed);
 - "stop".
 
-Every engine loads every version the leader loads, so all hold the same policy. `Fleet` is the
+No engine reads the policy it starts from off the shared filesystem: each starts with random
+weights (vLLM's "dummy" load format) and takes the trainers' through the same sync as an update's,
+before the first generation (a resubmitted job's engines too); only a resumed run's generations
+of versions older than the trainers' load saved versions from the run directory. Every engine
+loads every version the leader loads, so all hold the same policy. `Fleet` is the
 leader's side: a command to the other engines, then their replies. The shard counter is the one
 value of the job's store that is not signed (hpcrl.roles): a client without the job's secret could
 make the engines skip shards, which the merge then finds missing (the job stops), but could not
@@ -35,8 +39,9 @@ from hpcrl.stage_kinds import GENERATE
 
 
 def open_engine(exp: Experiment, run: RunDir, plane: ControlPlane, index: int):
-    """The generate stage object of engine `index` (hpcrl.generation.GenerateStage: vLLM over the
-    latest saved policy, with the weight receiver open), and the weight sync it takes part in."""
+    """The generate stage object of engine `index` (hpcrl.generation.GenerateStage: vLLM with the
+    weight receiver open, holding no policy until trainer 0 sends the one it starts from), and the
+    weight sync it takes part in."""
     from hpcrl.generation import GenerateStage
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -44,7 +49,7 @@ def open_engine(exp: Experiment, run: RunDir, plane: ControlPlane, index: int):
     gen = GenerateStage(exp, run, resident=True)
     gen.startup()
     sync = resident_sync.sync_setup(exp, run, plane, f"engine{index}")
-    gen.setup(run.latest_saved_version(), exp.run.seed)  # the trainers start from it
+    gen.setup_empty(exp.run.seed)
     gen.llm.collective_rpc("hpcrl_open_sync", args=(sync.as_dict(), index))
     return gen, sync
 

@@ -33,13 +33,13 @@ class Generator:
         self.run, self.exp, self.plane = run, exp, plane
         self.gen, self.sync = resident_engines.open_engine(exp, run, plane, 0)
         self.score = ScoreStage(exp, run, resident=True)
-        self.base = self.gen.version  # the latest saved version: the trainers start from it too
+        self.base = run.latest_saved_version()  # the trainers start from it, and send it (`_start`)
         self.llm = self.gen.llm
         self.fleet = resident_engines.Fleet(plane, exp.generate.engines)
         engines = f" of {exp.generate.engines} engines" if exp.generate.engines > 1 else ""
         print(f"[resident] weights reach vLLM{engines} through {self.sync.transport.replace('_', ' ')}",
               flush=True)
-        self.score.setup(self.gen.version, exp.run.seed)
+        self.score.setup(self.base, exp.run.seed)
         self.gen.pool = self.score.pool  # dynamic sampling scores its rounds on the same workers
         self.probe = resident_sync.probe_sequences(exp, self.llm.get_tokenizer())
         self.inflight: collections.deque[tuple[int, int]] = collections.deque()  # (update, command seq)
@@ -50,7 +50,7 @@ class Generator:
 
     def drive(self) -> None:
         try:
-            self._check_agreement()
+            self._start()
             while (nxt := self._next_stage()) is not None:
                 k, name = nxt
                 if name == UPDATE:
@@ -92,18 +92,31 @@ class Generator:
 
         run_stage(GENERATE, self.run.root, k, merged, startup=0.0)
 
-    def _check_agreement(self) -> None:
-        """Before any iteration: the trainer and vLLM, holding the same weights, must compute the
-        same probe logprobs (hpcrl.agreement.check_start)."""
+    def _start(self) -> None:
+        """Before any iteration: every engine takes the weights the trainers start from (trainer 0
+        sends them as after an update; no engine reads them off the shared filesystem), and each
+        engine and the trainer, holding the same weights, must compute the same probe logprobs
+        (hpcrl.agreement.check_start)."""
         from hpcrl import agreement, generation
 
-        reply = self.plane.wait_reply(self.plane.send({"op": "probe", "probe": self.probe}))
+        seq = self.plane.send({"op": "start", "probe": self.probe})
+        reply, sync_s, others = self._load_weights(seq, self.base)
+        self.llm.reset_prefix_cache()
+        self.gen.version = self.base
         tol = weight_sync.probe_tolerance(self.exp.executor.resident.sync_check_tol, self.exp.model.dtype)
-        metrics = agreement.check_start(generation.sequence_logprobs(self.llm, self.probe), reply["logprobs"],
-                                        tol, reply["attn_implementation"], self.exp.model.path)
-        print(f"[resident] trainer and vLLM agree on the probe: {metrics['sync/start_logp_diff']:.1e} "
-              f"(tolerance {tol:.0e})", flush=True)
-        self.gen.metrics = metrics  # in the next generation's manifest
+
+        def check(engine_lp: list, who: str = "") -> dict:
+            return agreement.check_start(engine_lp, reply["logprobs"], tol, reply["attn_implementation"],
+                                         f"{who}{self.exp.model.path}")
+
+        metrics = check(generation.sequence_logprobs(self.llm, self.probe))
+        for e, answer in enumerate(self.fleet.wait(others), 1):
+            check(answer["probe"], f"engine {e}: ")
+        nbytes = float(reply["handoff"]["bytes"])
+        print(f"[resident] the engines took policy version {self.base} from trainer 0 ({nbytes / 1e6:.1f} MB "
+              f"in {sync_s:.2f} s); trainer and vLLM agree on the probe: "
+              f"{metrics['sync/start_logp_diff']:.1e} (tolerance {tol:.0e})", flush=True)
+        self.gen.metrics = {**metrics, "sync/start_seconds": sync_s, "sync/start_bytes": nbytes}
         self.noise = metrics["sync/start_logp_diff"]  # what the probe cannot resolve (check_probe)
 
     def _next_stage(self) -> tuple[int, str] | None:

@@ -1,6 +1,7 @@
 """A trainer rank of the resident job (hpcrl.resident): it keeps the update stage object (a live
-DeepSpeed engine) for the run, updates on the generator's command, hands the new weights to the
-generator's vLLM when it asks for them, and commits each update (with its checkpoint when due)."""
+DeepSpeed engine) for the run, updates on the generator's command, hands the weights it starts
+from and each update's new weights to the engines when the generator asks for them, and commits
+each update (with its checkpoint when due)."""
 
 from __future__ import annotations
 
@@ -54,16 +55,38 @@ class Trainer:
             self._await_commit()  # the previous update's commit ends before any new collective
             if cmd["op"] == "stop":
                 break
-            if cmd["op"] == "probe":  # before the first iteration (hpcrl.agreement)
-                self.last_probe = self.actor.sequence_logprobs(cmd["probe"])
-                if self.rank == 0:
-                    self.plane.reply({"logprobs": self.last_probe,
-                                      "attn_implementation": self.actor.attn_implementation})
+            if cmd["op"] == "start":
+                self._start(cmd["probe"])
                 continue
             self._update(cmd["iteration"], cmd["checkpoint"], cmd["probe"])
         if self.sync is not None:
             self.sync.close()
         dist.destroy_process_group()
+
+    def _start(self, probe: list[list[int]]) -> None:
+        """Before the first iteration: the weights the trainers start from, sent to every engine
+        (which started with none: hpcrl.resident_engines), and the probe under them (hpcrl.agreement)."""
+        self.last_probe = self.actor.sequence_logprobs(probe)
+        reply = self._send_weights()
+        if self.rank == 0:
+            self.plane.reply({**reply, "logprobs": self.last_probe,
+                              "attn_implementation": self.actor.attn_implementation})
+
+    def _send_weights(self, k: int | None = None) -> dict:
+        """The current weights, from trainer 0 to the engines (every rank takes part in each
+        layer's gather under ZeRO-3): the handoff the engines load and the seconds it took. For
+        the update of iteration `k`, the generator is told first (it wakes vLLM's weights)."""
+        t0 = time.perf_counter()
+        weights = self.actor.checkpoint_weights()
+        reply = {}
+        if self.sync is not None:  # trainer 0 sends
+            if k is not None:
+                self.plane.signal(f"sending/{k}")
+            reply["handoff"] = self.sync.send(weights).as_dict()
+        elif self.exp.update.zero_stage == 3:
+            collections.deque(weights, maxlen=0)
+        reply["send_s"] = time.perf_counter() - t0
+        return reply
 
     def _update(self, k: int, checkpoint: bool, probe: list[list[int]]) -> None:
         # the probe under the current weights: the previous update's "new", or computed once
@@ -79,14 +102,7 @@ class Trainer:
         # every rank waits until the generator is between two generations (with max_staleness > 0
         # that may be a whole generation away): no collective of the trainers is held meanwhile
         self.plane.wait_signal(f"receive/{k}")
-        t0 = time.perf_counter()
-        weights = self.actor.checkpoint_weights()
-        if self.sync is not None:  # trainer 0 sends
-            self.plane.signal(f"sending/{k}")  # the generator wakes its weights and posts its receive now
-            reply["handoff"] = self.sync.send(weights).as_dict()
-        elif self.exp.update.zero_stage == 3:  # the others take part in each layer's gather
-            collections.deque(weights, maxlen=0)
-        reply["send_s"] = time.perf_counter() - t0
+        reply.update(self._send_weights(k))
         if self.rank == 0:
             self.plane.reply(reply)
         if attempt.ctx is None and self.rank == 0:  # committed by an earlier attempt

@@ -46,8 +46,11 @@ def _vllm_param(worker, name: str) -> torch.Tensor:
     return dict(worker.model_runner.model.named_parameters())[name].detach().clone()
 
 
-def test_weights_streamed_into_vllm_match_the_trainer_and_a_skipped_sync_is_caught(
+def test_an_engine_started_empty_takes_the_trainers_weights_and_a_skipped_sync_is_caught(
         write_experiment, tiny_task, tmp_path):
+    """A resident engine starts with random weights (nothing read off the run directory) and
+    takes the trainer's starting weights, then an update's, over the weight sync: after each it
+    computes what an engine loaded from the same weights on disk computes, bit for bit."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -55,8 +58,9 @@ def test_weights_streamed_into_vllm_match_the_trainer_and_a_skipped_sync_is_caug
     from hpcrl.distributed import free_port
 
     exp = config.load(write_experiment())
-    llm = generation.make_engine(exp, Path(exp.model.path), 0,
-                                 worker_extension_cls="hpcrl.vllm_ext.WeightReceiver")
+    gen = generation.GenerateStage(exp, RunDir(tmp_path / "run"), resident=True)
+    gen.setup_empty(0)
+    llm = gen.llm
     base = AutoModelForCausalLM.from_pretrained(exp.model.path, dtype=torch.float32)
     trained = AutoModelForCausalLM.from_pretrained(exp.model.path, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
@@ -65,32 +69,40 @@ def test_weights_streamed_into_vllm_match_the_trainer_and_a_skipped_sync_is_caug
             p.add_(torch.randn(p.shape, generator=g) * 0.02)
     probe = resident_sync.probe_sequences(exp, llm.get_tokenizer())
     old, new = _hf_logprobs(base, probe), _hf_logprobs(trained, probe)
-
-    # No sync: the engine still has the old weights, and the probe check says so.
-    with pytest.raises(WeightSyncError, match="previous weights"):
-        check_probe(generation.sequence_logprobs(llm, probe), new, old, 1e-4, version=1)
+    assert gen.version is None
+    with pytest.raises(WeightSyncError, match="holds neither the new weights nor the previous ones"):
+        check_probe(generation.sequence_logprobs(llm, probe), old, new, 1e-4, version=0)
 
     # Sync over a gloo group: trainer side in a thread, vLLM's worker extension on the other end.
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, None, is_master=True, timeout=timedelta(seconds=60),
                           wait_for_workers=False)
-    sent = {}
-
+    sent = []
     setup = transports.SyncSetup("process_group", "127.0.0.1", port, timeout_s=60.0, bucket_bytes=4096)
 
-    def trainer_side():
+    def trainer_side():  # the starting weights, then the update's
         sender = transports.make(setup)
         sender.open_sender(store)
-        sent["bytes"] = sender.send(checkpoint_view.tensors(trained)).bytes
+        sent.extend(sender.send(checkpoint_view.tensors(model)).bytes for model in (base, trained))
+
+    def load() -> int:
+        got = llm.collective_rpc("hpcrl_load_weights", args=(transports.Handoff("process_group").as_dict(),))
+        llm.reset_prefix_cache()
+        return got[0]["bytes"]
 
     thread = threading.Thread(target=trainer_side)
     thread.start()
     assert llm.collective_rpc("hpcrl_open_sync", args=(setup.as_dict(), 0)) == [1]
-    received = llm.collective_rpc("hpcrl_load_weights",
-                                  args=(transports.Handoff("process_group").as_dict(),))[0]
+    received = [load()]
+    started = generation.sequence_logprobs(llm, probe)
+    assert check_probe(started, old, new, 1e-4, version=0)["sync/logp_diff"] < 1e-4
+
+    # No sync of the update: the engine still has the starting weights, and the probe check says so.
+    with pytest.raises(WeightSyncError, match="previous weights"):
+        check_probe(started, new, old, 1e-4, version=1)
+    received.append(load())
     thread.join(timeout=60)
-    llm.reset_prefix_cache()
-    assert received["bytes"] == sent["bytes"] > 0
+    assert received == sent and sent[0] > 0
 
     after = generation.sequence_logprobs(llm, probe)
     metrics = check_probe(after, new, old, 1e-4, version=1)
@@ -100,7 +112,8 @@ def test_weights_streamed_into_vllm_match_the_trainer_and_a_skipped_sync_is_caug
         want = dict(trained.named_parameters())[name]
         got = llm.collective_rpc(_vllm_param, args=(name,))[0]
         assert torch.equal(got[: want.shape[0]], want), name
-    # An engine started from the same weights on disk gives exactly the same logprobs.
+    # An engine started from the same weights on disk gives exactly the same logprobs (vLLM holds
+    # an engine of this process that is closed takes vLLM's process-wide state with it: started last).
     trained.save_pretrained(tmp_path / "trained")
     fresh = generation.make_engine(exp, tmp_path / "trained", 0)
     assert generation.sequence_logprobs(fresh, probe) == after
@@ -165,6 +178,9 @@ def test_resident_runs_commit_what_the_staged_run_commits(write_experiment):
         _same_outputs(a, b, exp)
         m = commit.read_manifest(b.stage_dir(1, "generate"))["metrics"]
         assert m["sync/logp_diff"] < 1e-4 and m["sync/bytes"] > 0, path
+        # the engine started with no weights: trainer 0 sent all of them, as after each update
+        start = commit.read_manifest(b.stage_dir(0, "generate"))["metrics"]
+        assert start["sync/start_bytes"] == m["sync/bytes"] and start["sync/start_logp_diff"] < 1e-4
         assert m["sync/logp_diff_prev"] > 1e-4  # the update moved the probe, so a stale engine would be seen
         # checkpoint_every = 2: version 1 is not saved, version 2 (the last) is.
         assert not b.has_policy(1) and b.has_policy(2)
