@@ -48,7 +48,7 @@ class Actor:
         self.exp, self.rank, self.world_size = exp, rank, world_size
         u = exp.update
         n = exp.algorithm.prompts_per_iteration * exp.algorithm.group_size
-        trainer.check_batch_shape(exp, n, world_size)
+        trainer.check_batch_shape(exp.update, n, world_size)
         grad_accum = -(-(n // u.mini_batches // world_size) // u.micro_batch_size)
         dtype = getattr(torch, exp.model.dtype)
         tokenizer = AutoTokenizer.from_pretrained(exp.tokenizer_path)

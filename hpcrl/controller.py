@@ -209,7 +209,8 @@ class Controller:
             if records and hasattr(executor, "adopt") else None
         from hpcrl import sbatch
 
-        script = executors.generator_node(self.exp, "resident") is not None  # heterogeneous: not submitit's
+        # a heterogeneous job: not submitit's
+        script = executors.generator_node(self.exp.executor, "resident") is not None
         if live is not None:
             self.echo(f"resident job {live['job_id']} of an earlier controller is still queued or running; "
                       "following it (not submitted again)")

@@ -17,6 +17,7 @@ import submitit
 
 from hpcrl import commit, job_env, stage_kinds
 from hpcrl.config import Experiment
+from hpcrl.config_jobs import ExecutorConfig
 from hpcrl.distributed import free_port
 from hpcrl.rundir import RunDir
 
@@ -48,12 +49,12 @@ def slurm_parameters(exp: Experiment, role: str, run_name: str, iteration: int |
     r = getattr(exp.executor, role)
     name = f"{role}-{iteration}-{run_name}" if iteration is not None else f"{role}-{run_name}"
     tasks = tasks_for(exp, role) // r.nodes if role != "controller" else 1
-    if generator_node(exp, role) is not None:  # the first component of a heterogeneous job: the trainers
+    if generator_node(exp.executor, role) is not None:  # a heterogeneous job's first component: the trainers
         tasks = exp.update.world_size // r.nodes
     params: dict = {"job_name": name, "nodes": r.nodes, "ntasks_per_node": tasks,
                     "cpus_per_task": r.cpus_per_task, "time": r.time_min,
                     "additional_parameters": {"requeue": True, **r.extra}}
-    if role == "controller" or (role == "resident" and generator_node(exp, role) is None):
+    if role == "controller" or (role == "resident" and generator_node(exp.executor, role) is None):
         # one at a time per run (the job name holds the run's); not a heterogeneous job, whose
         # second component would wait on its first for ever
         params["dependency"] = "singleton"
@@ -69,17 +70,16 @@ def slurm_parameters(exp: Experiment, role: str, run_name: str, iteration: int |
     return params
 
 
-def generator_node(exp: Experiment, role: str):
+def generator_node(ex: ExecutorConfig, role: str):
     """The resident generator's own node ([executor.resident.generator]), if it has one."""
-    ex = exp.executor
     if role != "resident" or ex.mode != "resident" or ex.kind != "slurm":
         return None
     return ex.resident.generator
 
 
-def generator_component(exp: Experiment) -> dict:
+def generator_component(ex: ExecutorConfig) -> dict:
     """sbatch parameters (submitit's names) of a heterogeneous resident job's second component."""
-    g, r = exp.executor.resident.generator, exp.executor.resident
+    g, r = ex.resident.generator, ex.resident
     params: dict = {"nodes": 1, "ntasks_per_node": 1, "cpus_per_task": g.cpus_per_task}
     if g.partition or r.partition:
         params["partition"] = g.partition or r.partition

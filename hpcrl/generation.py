@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from hpcrl import commit, data, dynamic_sampling, plan, schemas, scoring, shards
 from hpcrl.config import Experiment
+from hpcrl.config_training import GenerateConfig
 from hpcrl.stage import Stage, StageContext
 from hpcrl.stage_kinds import GENERATE, UPDATE
 
@@ -42,7 +43,7 @@ def private_dir(path: Path) -> Path:
     return path
 
 
-def configure_env(exp: Experiment, scratch: Path | None = None) -> None:
+def configure_env(g: GenerateConfig, scratch: Path | None = None) -> None:
     """Environment vLLM reads at import time, set before `import vllm`: per-user scratch, no usage stats."""
     scratch = private_dir(scratch or Path(tempfile.gettempdir()) / f"hpcrl-vllm-{os.getuid()}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -53,7 +54,7 @@ def configure_env(exp: Experiment, scratch: Path | None = None) -> None:
     # In-process engine core: 3-5 s to start instead of 15-33 s, and no spawned workers.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if not on_gpu():  # each tensor-parallel worker its own cores, or no binding for one
-        binding = cpu_thread_binding(exp.generate.tensor_parallel_size)
+        binding = cpu_thread_binding(g.tensor_parallel_size)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", binding)
     else:  # this process has initialised CUDA (on_gpu): tensor-parallel workers must not fork from it
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -87,7 +88,7 @@ def make_engine(exp: Experiment, model_path: Path, seed: int, worker_extension_c
                 load_format: str = "auto"):
     """A vLLM engine over the model at `model_path`; with load_format "dummy", its architecture
     with random weights (nothing read but its config), for weights sent to it afterwards."""
-    configure_env(exp)
+    configure_env(exp.generate)
     from vllm import LLM
 
     kwargs = {"tensor_parallel_size": exp.generate.tensor_parallel_size, "load_format": load_format}
@@ -285,7 +286,7 @@ class GenerateStage(Stage):
         self.metrics: dict[str, float] = {}
 
     def startup(self) -> None:
-        configure_env(self.exp)
+        configure_env(self.exp.generate)
         import vllm  # noqa: F401  (its import cost is process start-up, not model loading)
 
     def version_for(self, iteration: int) -> int:

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 
 from hpcrl.config import Experiment
-from hpcrl.config_jobs import ContainerConfig, JobEnv
+from hpcrl.config_jobs import ContainerConfig, ExecutorConfig, JobEnv
 
 # srun options of a job step with several tasks: one task that dies ends the step (and its job)
 # at once instead of leaving the others in a collective until its timeout; the others get 60 s.
@@ -28,9 +28,9 @@ class JobEnvironment:
     srun_args: tuple[str, ...]  # srun options (each one argument; scripts quote them)
 
 
-def role_env(exp: Experiment, role: str) -> JobEnv:
+def role_env(executor: ExecutorConfig, role: str) -> JobEnv:
     """The role's env: its own keys where it sets them, [executor.env]'s elsewhere."""
-    default, own = exp.executor.env, getattr(exp.executor, role).env
+    default, own = executor.env, getattr(executor, role).env
     if role == "controller":
         default = default.model_copy(update={"container": ContainerConfig()})
     if own is None:
@@ -40,7 +40,7 @@ def role_env(exp: Experiment, role: str) -> JobEnv:
 
 def job_environment(exp: Experiment, role: str, tasks: int) -> JobEnvironment:
     """The preamble, the Python command and the srun options of a job of `role` with `tasks` tasks."""
-    env = role_env(exp, role)
+    env = role_env(exp.executor, role)
     c = env.container
     python = env.python or ("python" if c.image else shlex.quote(sys.executable))
     srun = list(MULTI_TASK_SRUN if tasks > 1 else ()) + list(env.srun_args)

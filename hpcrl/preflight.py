@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hpcrl import data, disk_budget, model_check, moe, placement, rewards
 from hpcrl.config import ConfigError, Experiment
-from hpcrl.config_training import CriticConfig, ModelConfig, RunConfig
+from hpcrl.config_training import AlgorithmConfig, CriticConfig, ModelConfig, RunConfig
 from hpcrl.stage_kinds import ORDER
 
 # Files that hold a tokenizer's vocabulary (without one, transformers builds an empty tokenizer).
@@ -60,11 +60,11 @@ def _check_memory(exp: Experiment) -> list[str]:
     return []
 
 
-def _check_algorithm(exp: Experiment) -> list[str]:
+def _check_algorithm(a: AlgorithmConfig) -> list[str]:
     """algorithm.name and algorithm.policy_loss against the registries (hpcrl.advantages, hpcrl.losses)."""
     from hpcrl import advantages, losses
 
-    a, problems = exp.algorithm, []
+    problems = []
     names = [*advantages.ESTIMATORS, "ppo"]
     if a.name not in names:
         problems.append(f"algorithm.name: {a.name!r} is not a registered advantage estimator; expected one "
@@ -244,9 +244,9 @@ def check(exp: Experiment, source: str) -> list[str]:
     tok_problems, tok = ([], None) if model_cfg is None and not exp.model.tokenizer else \
         _check_tokenizer(exp, model_cfg)
     data_problems, notes = _check_data(exp, tok)
-    problems += (tok_problems + data_problems + _check_algorithm(exp) + _check_critic(exp.algorithm.critic)
-                 + _check_moe(exp, model_cfg) + _check_rewards(exp) + _check_batch(exp) + _check_slurm(exp)
-                 + _check_memory(exp))
+    problems += (tok_problems + data_problems + _check_algorithm(exp.algorithm)
+                 + _check_critic(exp.algorithm.critic) + _check_moe(exp, model_cfg) + _check_rewards(exp)
+                 + _check_batch(exp) + _check_slurm(exp) + _check_memory(exp))
     if not problems:  # the disk budget is only worth a look for a run that can start
         disk_problems, disk_notes = disk_budget.check(exp)
         problems, notes = disk_problems, notes + disk_notes

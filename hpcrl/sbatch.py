@@ -63,8 +63,8 @@ def render(run: RunDir, exp: Experiment, role: str, iteration: int | None = None
         params["additional_parameters"]["array"] = f"0-{shards - 1}"
     env = job_env.job_environment(exp, role, executors.tasks_for(exp, role) if role != "controller" else 1)
     lines = directives(params, run.logs)
-    if executors.generator_node(exp, role) is not None:  # a heterogeneous job: the generator's node
-        lines += ["hetjob", *directives(executors.generator_component(exp), None)]
+    if executors.generator_node(exp.executor, role) is not None:  # a heterogeneous job: the generator's node
+        lines += ["hetjob", *directives(executors.generator_component(exp.executor), None)]
     ctx = {"directives": lines, "python": env.python, "setup": env.setup,
            "srun_args": "".join(shlex.quote(a) + " " for a in env.srun_args),
            "run_dir": repr(str(run.root)), "run_dir_q": shlex.quote(str(run.root))}

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from hpcrl import batches, losses
 from hpcrl.batches import MicroBatch, Samples, micro_batches, response_outputs, response_values
 from hpcrl.config import Experiment
+from hpcrl.config_training import UpdateConfig
 
 DS_TAG = "state"
 
@@ -45,7 +46,7 @@ def ds_config(exp: Experiment, world_size: int, grad_accum: int) -> dict:
         "train_batch_size": u.micro_batch_size * grad_accum * world_size,
         "gradient_clipping": u.grad_clip,
         "zero_optimization": {"stage": zero_stage(exp, world_size),
-                              "stage3_gather_16bit_weights_on_model_save": True, **_offload(exp)},
+                              "stage3_gather_16bit_weights_on_model_save": True, **_offload(exp.update)},
         # torch's AdamW on the offloaded state too (not DeepSpeedCPUAdam): the same update, nothing to compile
         **({"zero_force_ds_cpu_optimizer": False} if u.offload != "none" else {}),
         "bf16": {"enabled": exp.model.dtype == "bfloat16"},
@@ -57,11 +58,11 @@ def ds_config(exp: Experiment, world_size: int, grad_accum: int) -> dict:
     }
 
 
-def _offload(exp: Experiment) -> dict:
+def _offload(u: UpdateConfig) -> dict:
     """zero_optimization's offload entries for update.offload (pinned host memory on GPUs)."""
     where = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    return {"offload_optimizer": where, **({"offload_param": where} if exp.update.offload == "all" else {})} \
-        if exp.update.offload != "none" else {}
+    return {"offload_optimizer": where, **({"offload_param": where} if u.offload == "all" else {})} \
+        if u.offload != "none" else {}
 
 
 def make_engine(model, lr: float, exp: Experiment, world_size: int, grad_accum: int, state_dir: Path | None,
@@ -134,8 +135,7 @@ def split_mini_batches(group_ids: list[int], mini_batches: int, seed: int, epoch
     return [rows[i * size: (i + 1) * size] for i in range(mini_batches)]
 
 
-def check_batch_shape(exp: Experiment, n_samples: int, world_size: int) -> None:
-    u = exp.update
+def check_batch_shape(u: UpdateConfig, n_samples: int, world_size: int) -> None:
     if n_samples % (u.mini_batches * world_size):
         raise ValueError(f"update: {n_samples} samples cannot be split into "
                          f"update.mini_batches={u.mini_batches} mini-batches over "

@@ -91,7 +91,7 @@ class Update:
             self.samples = batches.load_samples(commit.read_table(gen, "rollouts"),
                                                 commit.read_table(scored, "scores"))
         n = len(self.samples)
-        trainer.check_batch_shape(exp, n, actor.world_size)
+        trainer.check_batch_shape(exp.update, n, actor.world_size)
         self.rows = trainer.rank_rows(list(range(n)), actor.rank, actor.world_size)
         self.engines = {"trainer": actor.engine, **({"critic": actor.critic.engine} if actor.critic else {})}
         groups = self.samples.group_ids.tolist()

@@ -91,7 +91,7 @@ def test_a_role_env_overrides_the_default_key_by_key(write_experiment):
         "kind": "slurm", "env": {"setup": ["module load a"], "container": PYXIS},
         "update": {"env": {"python": "/opt/venv/bin/python"}},
         "score": {"env": {"setup": ["module load b"], "container": {"image": ""}}}}))
-    update, score = job_env.role_env(exp, "update"), job_env.role_env(exp, "score")
+    update, score = job_env.role_env(exp.executor, "update"), job_env.role_env(exp.executor, "score")
     assert (update.setup, update.python) == (["module load a"], "/opt/venv/bin/python")
     assert update.container.image == PYXIS["image"]
     assert (score.setup, score.container.image) == (["module load b"], "")

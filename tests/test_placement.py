@@ -109,7 +109,7 @@ def test_vllm_spawns_its_workers_on_gpus(write_experiment, monkeypatch, tmp_path
     # configure_env sets vLLM's variables for the process: a copy keeps them from later tests
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")})
     monkeypatch.setattr(generation, "on_gpu", lambda: True)
-    generation.configure_env(exp, tmp_path / "scratch")
+    generation.configure_env(exp.generate, tmp_path / "scratch")
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
 
 
