@@ -194,19 +194,8 @@ class Actor:
     @torch.no_grad()
     def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Logprobs (temperature 1) of tokens 1.. of each sequence: the probe the generator repeats."""
-        from hpcrl import losses
-
         self.engine.eval()
-        width = max(len(s) for s in sequences)
-        ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for b, s in enumerate(sequences):
-            ids[b, : len(s)] = torch.tensor(s)
-            attn[b, : len(s)] = 1
-        ids, attn = ids.to(self.engine.device), attn.to(self.engine.device)
-        logits = self.engine(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-        lp = losses.token_logprobs(logits, ids[:, 1:], 1.0)
-        return [lp[b, : len(s) - 1].tolist() for b, s in enumerate(sequences)]
+        return policy_model.sequence_logprobs(self.engine, sequences, self.pad_id, self.engine.device)
 
 
 def _router_stats(routed: list[tuple[torch.Tensor, float]]) -> dict:

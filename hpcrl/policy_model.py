@@ -39,3 +39,23 @@ def checkpoint_layers(model) -> None:
     """Recompute each decoder layer in the backward pass (update.gradient_checkpointing); the
     non-reentrant form, which needs no input that requires grad and keeps autograd's hooks."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def sequence_logprobs(model, sequences: list[list[int]], pad_id: int, device) -> list[list[float]]:
+    """Logprobs (temperature 1) of tokens 1.. of each sequence under `model`, the sequences padded
+    into one batch: the trainer's side of the weight-sync probe (hpcrl.resident_sync)."""
+    import torch
+
+    from hpcrl import losses
+
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for b, s in enumerate(sequences):
+        ids[b, : len(s)] = torch.tensor(s)
+        attn[b, : len(s)] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    lp = losses.token_logprobs(logits, ids[:, 1:], 1.0)
+    return [lp[b, : len(s) - 1].tolist() for b, s in enumerate(sequences)]
