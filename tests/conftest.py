@@ -73,6 +73,22 @@ def write_experiment(tmp_path, tiny_task):
     return write
 
 
+@pytest.fixture(scope="session")
+def staged_ref(tmp_path_factory, tiny_task):
+    """A staged run of `experiment_toml`'s experiment on the local executor, complete: the
+    reference the other modes and executors are compared with. Tests only read it (a test that
+    changes a run works on a copy)."""
+    from hpcrl.rundir import RunDir
+
+    root = tmp_path_factory.mktemp("staged-ref")
+    path = root / "ref.toml"
+    path.write_text(experiment_toml(tiny_task, root / "runs", "ref"))
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return RunDir.at(root / "runs" / "ref")
+
+
 def task_pid(logs: Path, task: int, timeout: float = 300) -> int:
     """The pid of task `task` of a running submitit job whose folder is under `logs`."""
     import time

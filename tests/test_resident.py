@@ -159,19 +159,18 @@ def _same_outputs(a: RunDir, b: RunDir, exp) -> None:
             assert ta.equals(pq.read_table(b.stage_dir(k, "update") / f"{table}.parquet")), (k, table)
 
 
-def test_resident_runs_commit_what_the_staged_run_commits(write_experiment):
-    staged = write_experiment("staged")
+def test_resident_runs_commit_what_the_staged_run_commits(write_experiment, staged_ref):
     # the filesystem run commits each update before the next generation (overlap_commit off); the
     # process group's run against a local one is test_slurm_run's two-node resident job
     resident = [write_experiment(f"res-{sync}", executor=_resident(checkpoint_every=2, weight_sync=sync,
                                                                    overlap_commit=sync != "filesystem"))
                 for sync in ("shared_memory", "filesystem")]
-    for path in (staged, *resident):
+    for path in resident:
         out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True,
                              text=True)
         assert out.returncode == 0, out.stderr[-3000:]
     assert "resident job" in out.stdout and "run complete" in out.stdout
-    a = RunDir.at(config.load(staged).run_dir)
+    a = staged_ref
     for path in resident:
         exp = config.load(path)
         b = RunDir.at(exp.run_dir)
@@ -214,7 +213,7 @@ def test_killed_generator_is_noticed_by_the_monitor_and_the_run_resumes_staged(w
     """A generator killed mid-run stops the whole job through the trainer's monitor (the message
     names it), not through a collective timeout (collective_timeout_s is 30 min by default, far
     beyond this test's own limit)."""
-    path = write_experiment("kill", run={"iterations": 3, "eval_every": 0},
+    path = write_experiment("kill", run={"iterations": 2, "eval_every": 0},
                             executor=_resident(checkpoint_every=3))
     exp = config.load(path)
     run = RunDir.at(exp.run_dir)

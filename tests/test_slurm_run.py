@@ -80,12 +80,8 @@ def runs_root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def local_ref(runs_root, tiny_task):
-    path = _write(runs_root, tiny_task, "local", executor={"kind": "local"})
-    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True,
-                         text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return RunDir.at(runs_root / "runs" / "local")
+def local_ref(staged_ref):
+    return staged_ref
 
 
 def test_run_on_slurm_through_a_controller_job_matches_local(runs_root, tiny_task, local_ref):
