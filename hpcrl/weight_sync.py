@@ -226,7 +226,7 @@ def probe_tolerance(sync_check_tol: float, dtype: str) -> float:
     when set, else by the weights' dtype."""
     if sync_check_tol:
         return sync_check_tol
-    return 1e-4 if dtype == "float32" else 2e-2
+    return 1e-4 if dtype == "float32" else 1e-1  # 16-bit: ~4x the largest measured (tools/calibrate_probe.py)
 
 
 def _mean_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:

@@ -270,6 +270,24 @@ def test_the_float32_probe_tolerance_catches_weights_delivered_in_bfloat16(tiny_
         check_probe(served, trainer, trainer, tol, version=1)
 
 
+def test_the_16_bit_probe_tolerance_accepts_what_the_trainer_and_vllm_compute_in_bfloat16(tiny_task):
+    """Pins the 16-bit tolerance's calibration: the demo's trained model in bfloat16 (trainer
+    2.6e-2 from vLLM on average on CPU, tools/calibrate_probe.py) must start, with a margin, while
+    float32's tolerance would refuse the same difference."""
+    import json
+    import subprocess
+    import sys
+
+    from hpcrl.weight_sync import probe_tolerance
+    from tests.conftest import REPO
+
+    out = subprocess.run([sys.executable, str(REPO / "tools" / "calibrate_probe.py"), "--one",
+                          str(tiny_task / "model"), "bfloat16"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    assert probe_tolerance(0.0, "float32") < measured["mean"] < probe_tolerance(0.0, "bfloat16") / 2, measured
+
+
 @pytest.mark.parametrize("side", ["engine", "trainer"])
 def test_a_non_finite_probe_is_refused(side):
     """Pins: NaN compared against the tolerance (NaN > tol is false, so a NaN policy passed)."""
