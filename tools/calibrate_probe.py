@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -25,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-TASK = REPO / ".cache" / "tiny-addition"
+TASK = Path(os.environ.get("HPCRL_TINY_TASK_DIR", REPO / ".cache" / "tiny-addition"))  # as tests/conftest.py
 
 
 def experiment(model: Path, dtype: str, out: Path):
