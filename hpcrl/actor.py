@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from hpcrl import checkpoint_view, commit, losses, moe, policy_model, trainer
+from hpcrl import checkpoint_view, commit, lora, losses, moe, policy_model, trainer
 from hpcrl.batches import MicroBatch, Samples, padded, response_outputs, response_values
 from hpcrl.config import Experiment
 from hpcrl.stage import StageContext
@@ -53,7 +53,7 @@ class Actor:
         dtype = getattr(torch, exp.model.dtype)
         tokenizer = AutoTokenizer.from_pretrained(exp.tokenizer_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        model = policy_model.load_causal_lm(policy_path, dtype, exp.model.attn_implementation)
+        model = self._policy_model(policy_path, dtype)
         self.attn_implementation = model.config._attn_implementation
         if u.gradient_checkpointing:
             policy_model.checkpoint_layers(model)
@@ -73,6 +73,19 @@ class Actor:
 
             initial = critic_path or exp.algorithm.critic.path or exp.model.path
             self.critic = Critic(exp, rank, world_size, initial, critic_state, grad_accum, self.pad_id)
+
+    def _policy_model(self, policy_path: Path, dtype) -> torch.nn.Module:
+        """The policy at `policy_path`; with update.lora, the base model with the adapters saved
+        beside that version (fresh ones at version 0, whose path is the base model)."""
+        exp = self.exp
+        cfg = exp.update.lora
+        if not cfg.rank:
+            return policy_model.load_causal_lm(policy_path, dtype, exp.model.attn_implementation)
+        model = lora.wrap(policy_model.load_causal_lm(exp.model.path, dtype, exp.model.attn_implementation),
+                          cfg, exp.run.seed)
+        if (Path(policy_path) / "adapter").is_dir():
+            lora.load_adapters(model, Path(policy_path) / "adapter")
+        return model
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -174,22 +187,22 @@ class Actor:
         output."""
         with ctx.timed("io"):
             trainer.save_policy(self.engine, self.exp, ctx.writer.dir / "policy", self.rank)
-            self.engine.save_checkpoint(str(ctx.writer.dir / "trainer"), tag=trainer.DS_TAG)
+            trainer.save_state(self.engine, ctx.writer.dir / "trainer")
             if self.critic is not None:
                 self.critic.save(ctx.writer.dir / "critic", ctx.writer.dir / "trainer" / "critic")
 
-    def checkpoint_weights(self) -> Iterator[Named]:
-        """The policy's weights as its checkpoint holds them (hpcrl.checkpoint_view), layer by layer.
-        Under ZeRO-3 each layer is gathered in turn (every rank reads the stream to its end) and
-        each tensor is a copy that outlives its layer's gather."""
+    def checkpoint_weights(self, form: str = "merged") -> Iterator[Named]:
+        """The policy's weights as its checkpoint holds them (hpcrl.checkpoint_view), layer by layer,
+        with LoRA adapters in `form`. Under ZeRO-3 each layer is gathered in turn (every rank reads
+        the stream to its end) and each tensor is a copy that outlives its layer's gather."""
         if self.exp.update.zero_stage != 3:
-            return checkpoint_view.tensors(self.engine.module)
+            return checkpoint_view.tensors(self.engine.module, form=form)
         import deepspeed
 
         def gather(params):
             return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
-        return checkpoint_view.tensors(self.engine.module, gather, copy=True)
+        return checkpoint_view.tensors(self.engine.module, gather, copy=True, form=form)
 
     @torch.no_grad()
     def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:

@@ -21,6 +21,8 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
+from hpcrl import lora
+
 Named = tuple[str, torch.Tensor]
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 
@@ -46,26 +48,41 @@ def layer_of(name: str) -> str:
 
 
 def chunks(model: torch.nn.Module,
-           gather: Callable[[list[torch.nn.Parameter]], AbstractContextManager] | None = None
-           ) -> Iterator[list[Named]]:
+           gather: Callable[[list[torch.nn.Parameter]], AbstractContextManager] | None = None,
+           form: str = "merged") -> Iterator[list[Named]]:
     """The checkpoint's tensors, one layer (or one top-level parameter) at a time, in the model's
     order. `gather(params)` makes a chunk's parameters whole while it is used (ZeRO-3); each
-    chunk's tensors are valid until the next chunk is asked for."""
+    chunk's tensors are valid until the next chunk is asked for.
+
+    A model with LoRA adapters (hpcrl.lora) comes in one of three `form`s: "merged" (each adapted
+    weight with its adapters merged in, as a checkpoint of the policy holds it), "wire" (the base
+    weights and the adapters apart, `lora.wire`) or "adapters" (only the adapters, the layers
+    without any skipped). Without adapters every form is the checkpoint's."""
     from transformers.core_model_loading import revert_weight_conversion
 
+    scale = lora.scaling(model)
     groups: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
     for name, p in unique_parameters(model):
-        groups.setdefault(layer_of(name), []).append((name, p))
+        if scale is None or form != "adapters" or lora.is_adapter(name):
+            groups.setdefault(layer_of(name), []).append((name, p))
     for group in groups.values():
         with (gather or _whole)([p for _, p in group]):
             state = {name: p.data for name, p in group}
-            yield list(revert_weight_conversion(model, state).items())
+            if scale is None:
+                yield list(revert_weight_conversion(model, state).items())
+                continue
+            if form == "merged":
+                yield list(revert_weight_conversion(model, lora.merged(state, scale)).items())
+                continue
+            base, adapters = lora.wire(state)
+            base = revert_weight_conversion(model, base) if base else {}
+            yield list(base.items()) + list(adapters.items())
 
 
-def tensors(model: torch.nn.Module, gather=None, copy: bool = False) -> Iterator[Named]:
+def tensors(model: torch.nn.Module, gather=None, copy: bool = False, form: str = "merged") -> Iterator[Named]:
     """`chunks` as one stream of tensors. With `copy`, each tensor is a copy that outlives its
     chunk (what a sender that holds tensors across chunks needs under ZeRO-3)."""
-    for chunk in chunks(model, gather):
+    for chunk in chunks(model, gather, form):
         for name, t in chunk:
             yield name, (t.detach().clone() if copy else t.detach())
 

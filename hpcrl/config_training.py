@@ -224,6 +224,18 @@ class GenerateConfig(Section):
         return self.shards or self.engines
 
 
+class LoraConfig(Section):
+    rank: int = Field(0, ge=0, description="Rank of the LoRA adapters (through peft); 0: no adapters, every "
+                      "weight trains. With rank > 0 only the adapters train (on `target_modules`, the base "
+                      "weights frozen); each policy version is saved merged, with its adapters in "
+                      "`policy/adapter/`.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha: the adapters' product is scaled by "
+                         "alpha / rank.")
+    target_modules: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1,
+                                      description="Names (last component) of the linear modules that get "
+                                      "adapters.")
+
+
 class UpdateConfig(Section):
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -259,6 +271,7 @@ class UpdateConfig(Section):
         "only). The optimizer stays torch's AdamW, so the update is the plain one; slower where the "
         "optimizer step or moving the parameters dominates.")
     world_size: int = Field(1, ge=1, description="DeepSpeed ranks for the update (processes on this node).")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (rank 0: off).")
     moe_aux_loss_coef: float = Field(
         0.0, ge=0, description="Mixture-of-experts models: weight of the router's load-balancing loss "
         "(the Switch Transformer's, as transformers computes it) added to the policy loss; 0: none. The "

@@ -135,7 +135,7 @@ class Critic:
             save_file(head, str(out / HEAD_FILE))
         if dist.is_initialized():
             dist.barrier()
-        self.engine.save_checkpoint(str(state_dir), tag=trainer.DS_TAG)
+        trainer.save_state(self.engine, state_dir)
 
 
 @dataclass

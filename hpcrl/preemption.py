@@ -85,7 +85,7 @@ def save_progress(engines: dict, stage_dir: Path, rank: int, progress: object) -
     if dist.is_initialized():
         dist.barrier()
     for name, engine in engines.items():
-        engine.save_checkpoint(str(tmp / name), tag=trainer.DS_TAG)
+        trainer.save_state(engine, tmp / name)
     if rank == 0:
         torch.save(progress, tmp / PROGRESS)
         shutil.rmtree(final, ignore_errors=True)
@@ -105,8 +105,7 @@ def load_progress(engines: dict, stage_dir: Path, types: tuple[type, ...]) -> ob
     if not (d / PROGRESS).is_file():
         return None
     for name, engine in engines.items():
-        path, _ = engine.load_checkpoint(str(d / name), tag=trainer.DS_TAG)
-        if path is None:
+        if trainer.load_state(engine, d / name) is None:
             raise RuntimeError(f"{d}: progress without the DeepSpeed state of the {name}")
     with torch.serialization.safe_globals(list(types)):
         return torch.load(d / PROGRESS, weights_only=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from hpcrl import transports
+from hpcrl import lora, transports
 from hpcrl.config import Experiment
 from hpcrl.roles import ControlPlane
 from hpcrl.rundir import RunDir
@@ -51,7 +51,9 @@ def sync_setup(exp: Experiment, run: RunDir, plane: ControlPlane, me: str) -> tr
     return transports.SyncSetup(name, plane.host, plane.port, engines=engines,
                                 tp=exp.generate.tensor_parallel_size, timeout_s=r.collective_timeout_s,
                                 bucket_bytes=int(r.sync_bucket_mb * (1 << 20)), backend=backend(),
-                                directory=str(run.root / "resident" / "weights"))
+                                directory=str(run.root / "resident" / "weights"),
+                                lora_scale=lora.config_scale(exp.update.lora),
+                                lora_targets=list(exp.update.lora.target_modules))
 
 
 def backend() -> str:

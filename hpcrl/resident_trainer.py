@@ -77,7 +77,8 @@ class Trainer:
         layer's gather under ZeRO-3): the handoff the engines load and the seconds it took. For
         the update of iteration `k`, the generator is told first (it wakes vLLM's weights)."""
         t0 = time.perf_counter()
-        weights = self.actor.checkpoint_weights()
+        # with LoRA: every weight (bases and adapters) at the start, only the adapters after an update
+        weights = self.actor.checkpoint_weights("wire" if k is None else "adapters")
         reply = {}
         if self.sync is not None:  # trainer 0 sends
             if k is not None:

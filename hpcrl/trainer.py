@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpcrl import batches, losses
+from hpcrl import batches, lora, losses
 from hpcrl.batches import MicroBatch, Samples, micro_batches, response_outputs, response_values
 from hpcrl.config import Experiment
 from hpcrl.config_training import UpdateConfig
@@ -70,14 +70,30 @@ def make_engine(model, lr: float, exp: Experiment, world_size: int, grad_accum: 
     """A DeepSpeed engine over `model` with AdamW at `lr`, restored from `state_dir` when given."""
     import deepspeed
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=exp.update.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=exp.update.weight_decay)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
                                       config=ds_config(exp, world_size, grad_accum))
-    if state_dir is not None:
-        path, _ = engine.load_checkpoint(str(state_dir), tag=DS_TAG)
-        if path is None:
-            raise RuntimeError(f"no DeepSpeed state of the {what} in {state_dir}")
+    if state_dir is not None and load_state(engine, state_dir) is None:
+        raise RuntimeError(f"no DeepSpeed state of the {what} in {state_dir}")
     return engine
+
+
+def _frozen(engine) -> bool:
+    """Whether some weights of the engine's model do not train (LoRA's base weights, hpcrl.lora)."""
+    return any(not p.requires_grad for p in engine.module.parameters())
+
+
+def save_state(engine, directory: Path) -> None:
+    """The DeepSpeed state (weights that train, optimizer, scheduler) under `directory`; frozen
+    weights are left out: the base model holds them."""
+    engine.save_checkpoint(str(directory), tag=DS_TAG, exclude_frozen_parameters=_frozen(engine))
+
+
+def load_state(engine, directory: Path) -> str | None:
+    """Restore what `save_state` wrote; the path loaded, or None where there is no state."""
+    path, _ = engine.load_checkpoint(str(directory), tag=DS_TAG, load_module_strict=not _frozen(engine))
+    return path
 
 
 def engine_step(engine) -> float:
@@ -226,8 +242,11 @@ def save_policy(engine, exp: Experiment, out: Path, rank: int) -> None:
         state = engine.module.state_dict() if rank == 0 else None
     if rank == 0:
         model = engine.module
-        model.save_pretrained(out, state_dict={k: v.detach().cpu() for k, v in state.items()},
-                              safe_serialization=True)
+        state = {k: v.detach().cpu() for k, v in state.items()}
+        if (scale := lora.scaling(model)) is not None:
+            lora.save_adapters(model, out / "adapter")
+            state = lora.merged(state, scale)
+        model.save_pretrained(out, state_dict=state, safe_serialization=True)
         AutoTokenizer.from_pretrained(exp.tokenizer_path).save_pretrained(out)
     if dist.is_initialized():
         dist.barrier()

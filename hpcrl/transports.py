@@ -57,6 +57,8 @@ class SyncSetup:
     bucket_bytes: int = 64 << 20
     backend: str = "gloo"  # nccl between GPUs
     directory: str = ""  # where the filesystem transport writes
+    lora_scale: float = 0.0  # LoRA adapters: their alpha / rank (0: none; hpcrl.lora.Merger)
+    lora_targets: list[str] = field(default_factory=list)
 
     @property
     def layout(self) -> SyncLayout:

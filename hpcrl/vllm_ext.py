@@ -28,6 +28,12 @@ class WeightReceiver:
         device = str(self.device) if setup.get("backend") == "nccl" else "cpu"
         self._hpcrl_transport = transports.make(setup)
         self._hpcrl_transport.open_receiver(engine, tp_rank, device)
+        self._hpcrl_merger = None
+        if setup.get("lora_scale"):  # the trainer sends LoRA adapters apart (hpcrl.lora)
+            from hpcrl.lora import Merger
+
+            packed = getattr(self.model_runner.get_model(), "packed_modules_mapping", {}) or {}
+            self._hpcrl_merger = Merger(setup["lora_scale"], setup["lora_targets"], packed)
         return self._hpcrl_transport.setup.layout.rank(engine, tp_rank)
 
     def hpcrl_close_sync(self) -> None:
@@ -53,7 +59,10 @@ class WeightReceiver:
                 received["tensors"] += 1
                 yield name, tensor
 
-        self.reload_weights(weights_iterator=stream())  # the worker's: under its vLLM config context
+        weights = stream()
+        if self._hpcrl_merger is not None and transport is self._hpcrl_transport:  # not a saved version
+            weights = self._hpcrl_merger(weights)
+        self.reload_weights(weights_iterator=weights)  # the worker's: under its vLLM config context
         refresh_cpu_copies(self.model_runner.get_model())
         return {**received, "seconds": time.perf_counter() - t0}
 
