@@ -271,7 +271,7 @@ class UpdateConfig(Section):
         "only). The optimizer stays torch's AdamW, so the update is the plain one; slower where the "
         "optimizer step or moving the parameters dominates.")
     world_size: int = Field(1, ge=1, description="DeepSpeed ranks for the update (processes on this node).")
-    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (rank 0: off).")
+    lora: LoraConfig = Field(LoraConfig(), description="LoRA adapters on the policy (rank 0: off).")
     moe_aux_loss_coef: float = Field(
         0.0, ge=0, description="Mixture-of-experts models: weight of the router's load-balancing loss "
         "(the Switch Transformer's, as transformers computes it) added to the policy loss; 0: none. The "
