@@ -295,3 +295,178 @@ def test_the_trainer_state_is_checksummed_and_checked_before_anything_loads_it(t
         commit.verified(d / "policy")
     with pytest.raises(commit.CorruptOutputError, match=r"critic: no files of it are listed"):
         commit.verified(d / "critic")
+
+
+def test_the_manifest_records_what_was_committed_in_a_stable_form(tmp_path):
+    """Pins: the manifest written unsorted or unindented (the same output giving other bytes, so
+    another digest: the identity the consumers record), `committed_at` missing, a table's schema
+    name lost, and the digest's "sha256:" prefix."""
+    import hashlib
+    import json
+    import time
+
+    d = tmp_path / "iter_000000" / "score"
+    before = time.time()
+    manifest = _commit(d, _scores())
+    text = (d / commit.MANIFEST).read_text()
+    assert text == json.dumps(manifest, indent=2, sort_keys=True)
+    assert before <= manifest["committed_at"] <= time.time()
+    assert manifest["tables"] == {"scores": {"file": "scores.parquet", "rows": 3, "schema": "scores"}}
+    assert manifest["metrics"] == {"m": 1.0} and manifest["stage"] == "score"
+    assert commit.manifest_digest(d) == "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    data = (d / "scores.parquet").read_bytes()
+    assert manifest["files"]["scores.parquet"] == {"bytes": len(data),
+                                                   "sha256": hashlib.sha256(data).hexdigest()}
+    assert commit._checksums(d) == manifest["files"]  # every file but the manifest itself, which sorts first
+
+
+def test_a_table_written_under_another_schema_records_that_schema(tmp_path):
+    """Pins: the manifest's "schema" of a table written under another stage-contract schema (the
+    update's stats) recorded as the table's own name, or as the name when none is given."""
+    w = commit.StageWriter(commit.fresh_temp_dir(tmp_path / "score"))
+    w.write_table("rescored", _scores(2), "scores")
+    w.write_table("scores", _scores(1))
+    assert w.tables == {"rescored": {"file": "rescored.parquet", "rows": 2, "schema": "scores"},
+                        "scores": {"file": "scores.parquet", "rows": 1, "schema": "scores"}}
+
+
+def test_tables_are_written_with_the_fixed_parquet_settings(tmp_path):
+    """Pins: the writer settings that make a table's file what readers rely on: zstd compression,
+    column statistics (row-group filtering), dictionary encoding, and the Arrow schema stored in the
+    file (the contract's exact types on read). Any of them dropped to another value changes the
+    bytes of every output."""
+    import pyarrow.parquet as pq
+
+    w = commit.StageWriter(commit.fresh_temp_dir(tmp_path / "score"))
+    path = w.write_table("scores", _scores())
+    meta = pq.ParquetFile(path).metadata
+    split = meta.row_group(0).column(0)
+    assert split.path_in_schema == "split"
+    assert split.compression == "ZSTD" and split.is_stats_set and "RLE_DICTIONARY" in split.encodings
+    assert b"ARROW:schema" in meta.metadata
+
+
+def test_read_table_reads_the_columns_asked_for_and_refuses_a_missing_or_unlisted_file(tmp_path):
+    """Pins: `columns` not passed to the reader, a missing table named without the ones there are,
+    and a table file that is gone (or not in the manifest's files) read as if it were sound, or
+    failing with another error than CorruptOutputError."""
+    import json
+
+    d = tmp_path / "score"
+    _commit(d, _scores())
+    assert commit.read_table(d, "scores", columns=["reward"]).column_names == ["reward"]
+    with pytest.raises(commit.CorruptOutputError, match=r"has no table 'rollouts' \(has \['scores'\]\)"):
+        commit.read_table(d, "rollouts")
+    assert commit.read_table(d, "scores", check=False).num_rows == 3
+    manifest = json.loads((d / commit.MANIFEST).read_text())
+    del manifest["files"]["scores.parquet"]
+    (d / commit.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(commit.CorruptOutputError,
+                       match=r"scores\.parquet: checksum mismatch with .*_COMMIT\.json"):
+        commit.read_table(d, "scores")
+    (d / "scores.parquet").unlink()
+    with pytest.raises(commit.CorruptOutputError, match=r"scores\.parquet: checksum mismatch"):
+        commit.read_table(d, "scores")
+
+
+def test_fresh_temp_dir_refuses_a_committed_stage_and_says_why(tmp_path):
+    """Pins: the refusal to start an attempt at a committed stage without naming the stage and the
+    rule (it is never written again)."""
+    d = tmp_path / "score"
+    _commit(d, _scores())
+    with pytest.raises(commit.AlreadyCommittedError, match=rf"^{d} is committed; it is never written again$"):
+        commit.fresh_temp_dir(d)
+
+
+@pytest.mark.parametrize(("content", "what"), [(b'{"stage": ', "not valid JSON"),
+                                               (b"\xff\xfe{}", "not valid JSON"),
+                                               (b"[1, 2]", "expected a JSON object, found a list")])
+def test_a_damaged_manifest_is_named_with_what_to_do(tmp_path, content, what):
+    """Pins: a damaged manifest (truncated, not UTF-8, not an object) reported without its path,
+    what is wrong with it, or the way out (restore it, or move the stage aside and run it again)."""
+    d = tmp_path / "score"
+    _commit(d, _scores())
+    (d / commit.MANIFEST).write_bytes(content)
+    with pytest.raises(commit.CorruptOutputError) as err:
+        commit.read_manifest(d)
+    assert str(err.value).startswith(f"{d / commit.MANIFEST}: damaged, {what}")
+    assert str(err.value).endswith("; restore it from a backup, or move the stage directory aside to run "
+                                   "the stage again")
+    with pytest.raises(commit.CorruptOutputError, match="see the runbook$"):
+        commit.read_json_object(d / commit.MANIFEST, "see the runbook")
+
+
+def _committed_input(run_root, iteration: int, stage: str, rows: int = 3):
+    d = run_root / f"iter_{iteration:06d}" / stage
+    _commit(d, _scores(rows))
+    return d
+
+
+def test_lineage_reads_the_manifest_it_is_given_and_skips_absent_inputs_only_when_told(tmp_path):
+    """Pins: lineage that reads the stage's manifest from disk when given one (or never reads it),
+    that skips an absent input by default, skips an input that exists (stale or not), or stops at
+    the first absent input instead of checking the others."""
+    gen = _committed_input(tmp_path, 0, "generate")
+    score = _committed_input(tmp_path, 0, "score")
+    stale = {"generate@iter_000000": "sha256:0"}
+    assert commit.lineage(score) == []  # its manifest records no input
+    assert commit.lineage(score, {"inputs": stale}) == [
+        f"{score}: computed from another {gen} than the one committed there now"]
+    absent_first = {"inputs": {"a@iter_000000": "sha256:0", **stale}}  # "a" is not in the tree
+    assert commit.lineage(score, absent_first, absent_ok=True) == [
+        f"{score}: computed from another {gen} than the one committed there now"]
+    assert commit.lineage(score, absent_first) == [
+        f"{score}: its input {tmp_path / 'iter_000000' / 'a'} is not committed",
+        f"{score}: computed from another {gen} than the one committed there now"]
+    uncommitted = tmp_path / "iter_000001" / "score"
+    assert commit.lineage(uncommitted, {"inputs": stale}) == [
+        f"{uncommitted}: computed from another {gen} than the one committed there now"]
+    assert commit.lineage(uncommitted) == []  # no manifest: nothing recorded
+
+
+def test_verify_under_a_folder_checks_its_files_only_and_joins_every_problem(tmp_path):
+    """Pins: verify(under=...) that also reports the whole output's lineage (a policy refused
+    because an input of its update moved), and `verified` reporting only one of several problems."""
+    d = tmp_path / "iter_000000" / "update"
+    w = commit.StageWriter(commit.fresh_temp_dir(d))
+    for rel in ("policy/a.bin", "policy/b.bin"):
+        (w.dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (w.dir / rel).write_bytes(b"x")
+    commit.commit(d, w, {"stage": "update", "inputs": {"generate@iter_000000": "sha256:0"}})
+    assert commit.verify(d) == [f"{d}: its input {tmp_path / 'iter_000000' / 'generate'} is not committed"]
+    assert commit.verify(d, "policy") == []
+    (d / "policy" / "a.bin").unlink()
+    (d / "policy" / "b.bin").write_bytes(b"y")
+    with pytest.raises(commit.CorruptOutputError) as err:
+        commit.verified(d / "policy")
+    assert str(err.value) == (f"{d / 'policy' / 'a.bin'}: missing (listed in _COMMIT.json); "
+                              f"{d / 'policy' / 'b.bin'}: checksum mismatch with _COMMIT.json")
+
+
+def test_a_pruned_folder_is_reported_as_pruned_and_its_files_are_not_checked(tmp_path):
+    """Pins (hpcrl.pruning's `_PRUNED.json`): a pruned folder reported as missing files, or
+    verified silently; the pruned folder's name, rule and time wrong in the message, for a path one
+    or more levels inside it; the folder found by another part of the path than its first."""
+    import json
+    import shutil
+
+    d = tmp_path / "iter_000000" / "update"
+    w = commit.StageWriter(commit.fresh_temp_dir(d))
+    for rel in ("policy/model.bin", "trainer/state/rank/optim.pt", "trainer/critic/state/optim.pt"):
+        (w.dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (w.dir / rel).write_bytes(b"x")
+    commit.commit(d, w, {"stage": "update"})
+    assert commit.pruned_parts(d) == {}
+    record = {"rule": "keep_trainer_states = 1", "at": "2026-12-02T10:00:00", "bytes": 2}
+    shutil.rmtree(d / "trainer")
+    (d / commit.PRUNED).write_text(json.dumps({"trainer": record}))
+    assert commit.pruned_parts(d) == {"trainer": record}
+    message = f"{d / 'trainer'}: pruned by retention (keep_trainer_states = 1, at 2026-12-02T10:00:00)"
+    assert commit.verify(d) == []  # the rest of the output is sound
+    for under in ("trainer", "trainer/state", "trainer/critic/state"):
+        assert commit.verify(d, under) == [message]
+        with pytest.raises(commit.PrunedError) as err:
+            commit.verified(d / under)
+        assert str(err.value) == message
+    assert commit.verified(d / "policy") == d / "policy"
+    assert commit.pruned_message(d, "policy", {}) == f"{d / 'policy'}: pruned by retention (?, at ?)"
