@@ -24,6 +24,7 @@ import torch
 from hpcrl.config_training import LoraConfig
 
 ADAPTER = "default"  # peft's name of the one adapter
+_PEFT_PREFIX = "base_model.model."  # where peft's PeftModel holds the model: its saved adapters' names
 _BASE, _A, _B = ".base_layer.", f".lora_A.{ADAPTER}.", f".lora_B.{ADAPTER}."
 
 
@@ -36,11 +37,11 @@ def wrap(model: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.Module:
                              lora_dropout=0.0, bias="none")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = peft.inject_adapter_in_model(config, model)
-    if not any(_A in name for name, _ in model.named_parameters()):
-        raise ValueError(f"update.lora.target_modules {list(cfg.target_modules)} matches no linear module "
-                         f"of {type(model).__name__}")
-    return model
+        try:
+            return peft.inject_adapter_in_model(config, model)
+        except ValueError as err:  # peft: "Target modules {...} not found in the base model"
+            raise ValueError(f"update.lora.target_modules {list(cfg.target_modules)} matches no linear "
+                             f"module of {type(model).__name__} ({err})") from None
 
 
 def config_scale(cfg: LoraConfig) -> float:
@@ -138,13 +139,15 @@ class Merger:
 
 
 def save_adapters(model: torch.nn.Module, out: Path) -> None:
-    """The adapters in peft's format (`adapter_model.safetensors`, `adapter_config.json`)."""
+    """The adapters in peft's format (`adapter_model.safetensors`, `adapter_config.json`), which
+    `peft.PeftModel.from_pretrained(base_model, out)` loads."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
     state = get_peft_model_state_dict(model, adapter_name=ADAPTER)
-    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, out / "adapter_model.safetensors")
+    save_file({_PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in state.items()},
+              out / "adapter_model.safetensors")
     model.peft_config[ADAPTER].save_pretrained(str(out))
 
 
@@ -153,8 +156,9 @@ def load_adapters(model: torch.nn.Module, directory: Path) -> None:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    result = set_peft_model_state_dict(model, load_file(directory / "adapter_model.safetensors"),
-                                       adapter_name=ADAPTER)
+    saved = load_file(directory / "adapter_model.safetensors")
+    state = {k.removeprefix(_PEFT_PREFIX): v for k, v in saved.items()}
+    result = set_peft_model_state_dict(model, state, adapter_name=ADAPTER)
     missing = [k for k in result.missing_keys if _A in k or _B in k]
     if missing or result.unexpected_keys:
         raise ValueError(f"{directory}: adapters that do not fit update.lora (missing {missing[:3]}, "

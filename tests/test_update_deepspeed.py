@@ -21,12 +21,12 @@ from hpcrl.rundir import RunDir
 pytestmark = pytest.mark.timeout(900)
 
 
-def _sampler_logprobs(rows: list[dict], exp: config.Experiment) -> None:
-    """The logprobs a sampler holding policy version 0 reports for these responses: the update
-    checks its own against them (update.sampler_mismatch_tol)."""
+def _sampler_logprobs(rows: list[dict], exp: config.Experiment, policy) -> None:
+    """The logprobs a sampler holding the policy at `policy` reports for these responses: the
+    update checks its own against them (update.sampler_mismatch_tol)."""
     from hpcrl import losses, policy_model
 
-    model = policy_model.load_causal_lm(exp.model.path, torch.float32)
+    model = policy_model.load_causal_lm(policy, torch.float32)
     with torch.no_grad():
         for row in rows:
             ids = torch.tensor([row["prompt_ids"] + row["response_ids"]])
@@ -35,11 +35,11 @@ def _sampler_logprobs(rows: list[dict], exp: config.Experiment) -> None:
                                                     exp.generate.temperature or 1.0)[0].tolist()
 
 
-def _commit_inputs(run: RunDir, exp: config.Experiment, tokenizer,
-                   sampler_logprob: float | None = None, reward: float | None = None) -> None:
-    """Committed generate and score outputs of iteration 0: the policy's own logprobs as the
-    sampler's, or `sampler_logprob` for every token (a sampler far from the trainer); each
-    sample's correctness as its reward, or `reward` for all."""
+def _commit_inputs(run: RunDir, exp: config.Experiment, tokenizer, sampler_logprob: float | None = None,
+                   reward: float | None = None, iteration: int = 0) -> None:
+    """Committed generate and score outputs of `iteration`, sampled by its policy version: the
+    policy's own logprobs as the sampler's, or `sampler_logprob` for every token (a sampler far
+    from the trainer); each sample's correctness as its reward, or `reward` for all."""
     rng = np.random.default_rng(0)
     rows = []
     for p in range(exp.algorithm.prompts_per_iteration):
@@ -49,25 +49,25 @@ def _commit_inputs(run: RunDir, exp: config.Experiment, tokenizer,
         for s in range(exp.algorithm.group_size):
             answer = str(a + b) if rng.random() < 0.4 else f"{a + b:04d}"
             ids = tokenizer(answer + "<|im_end|>", add_special_tokens=False)["input_ids"]
-            rows.append(dict(iteration=0, split="train", prompt_index=p, sample_index=s,
+            rows.append(dict(iteration=iteration, split="train", prompt_index=p, sample_index=s,
                              data_source="tiny_addition", prompt_text=prompt, ground_truth=str(a + b),
                              prompt_ids=tokenizer(prompt, add_special_tokens=False)["input_ids"],
                              response_ids=ids, logprobs=[-1.0] * len(ids), response_text=answer,
-                             finish_reason="stop", policy_version=0, round=0, kept=True))
+                             finish_reason="stop", policy_version=iteration, round=0, kept=True))
     if sampler_logprob is None:
-        _sampler_logprobs(rows, exp)
+        _sampler_logprobs(rows, exp, run.policy_dir(iteration, exp.model.path))
     rollouts = pa.Table.from_pylist(rows)
-    w = commit.StageWriter(commit.fresh_temp_dir(run.stage_dir(0, "generate")))
+    w = commit.StageWriter(commit.fresh_temp_dir(run.stage_dir(iteration, "generate")))
     w.write_table("rollouts", rollouts)
-    commit.commit(run.stage_dir(0, "generate"), w, {"stage": "generate", "policy_version": 0})
+    commit.commit(run.stage_dir(iteration, "generate"), w, {"stage": "generate", "policy_version": iteration})
     reward = [float(r["response_text"] == r["ground_truth"]) if reward is None else reward for r in rows]
-    w = commit.StageWriter(commit.fresh_temp_dir(run.stage_dir(0, "score")))
+    w = commit.StageWriter(commit.fresh_temp_dir(run.stage_dir(iteration, "score")))
     w.write_table("scores", pa.table({
         "split": rollouts["split"], "prompt_index": rollouts["prompt_index"],
         "sample_index": rollouts["sample_index"], "reward": reward,
         "reward_components": pa.array([[("r", x)] for x in reward], pa.map_(pa.string(), pa.float64())),
         "reward_message": [""] * len(rows)}))
-    commit.commit(run.stage_dir(0, "score"), w, {"stage": "score", "policy_version": 0})
+    commit.commit(run.stage_dir(iteration, "score"), w, {"stage": "score", "policy_version": iteration})
 
 
 def _run_update(write_experiment, name: str, algorithm: dict | None = None, model: dict | None = None,
