@@ -138,16 +138,16 @@ class Merger:
                     yield f"{module}.{param}", base
 
 
-def save_adapters(model: torch.nn.Module, out: Path) -> None:
-    """The adapters in peft's format (`adapter_model.safetensors`, `adapter_config.json`), which
+def save_adapters(model: torch.nn.Module, state: dict[str, torch.Tensor], out: Path) -> None:
+    """The adapters of `state` (the model's whole state, gathered under ZeRO-3) in peft's format
+    (`adapter_model.safetensors`, `adapter_config.json`), which
     `peft.PeftModel.from_pretrained(base_model, out)` loads."""
-    from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    state = get_peft_model_state_dict(model, adapter_name=ADAPTER)
-    save_file({_PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in state.items()},
-              out / "adapter_model.safetensors")
+    adapters = {_PEFT_PREFIX + name.replace(f".{ADAPTER}.", "."): t.detach().cpu().contiguous()
+                for name, t in state.items() if is_adapter(name)}
+    save_file(adapters, out / "adapter_model.safetensors")
     model.peft_config[ADAPTER].save_pretrained(str(out))
 
 

@@ -244,7 +244,7 @@ def save_policy(engine, exp: Experiment, out: Path, rank: int) -> None:
         model = engine.module
         state = {k: v.detach().cpu() for k, v in state.items()}
         if (scale := lora.scaling(model)) is not None:
-            lora.save_adapters(model, out / "adapter")
+            lora.save_adapters(model, state, out / "adapter")
             state = lora.merged(state, scale)
         model.save_pretrained(out, state_dict=state, safe_serialization=True)
         AutoTokenizer.from_pretrained(exp.tokenizer_path).save_pretrained(out)

@@ -120,7 +120,7 @@ def test_the_worker_merger_loads_each_adapted_layer_whole_from_the_adapters_alon
 def test_saved_adapters_load_into_a_fresh_policy(tiny_task, tmp_path):
     """pins: adapters saved under names that do not load back, or loaded into nothing."""
     model = _adapted(tiny_task)
-    lora.save_adapters(model, tmp_path / "adapter")
+    lora.save_adapters(model, {n: p.data for n, p in model.named_parameters()}, tmp_path / "adapter")
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 4
     other = lora.wrap(policy_model.load_causal_lm(tiny_task / "model", torch.float32),
                       LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"]), seed=5)
@@ -141,8 +141,11 @@ def test_saved_adapters_load_into_a_fresh_policy(tiny_task, tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_a_lora_update_trains_the_adapters_commits_the_merged_policy_and_resumes_from_them(write_experiment):
-    """Two staged updates (real DeepSpeed) with adapters on q_proj and v_proj: the committed policy
+@pytest.mark.parametrize(("world_size", "zero_stage"), [(1, 2), (2, 3)], ids=["one-rank", "z3-two-ranks"])
+def test_a_lora_update_trains_the_adapters_commits_the_merged_policy_and_resumes_from_them(
+        write_experiment, world_size, zero_stage):
+    """Two staged updates (real DeepSpeed; one rank, and two under ZeRO-3, whose weights are
+    partitioned) with adapters on q_proj and v_proj: the committed policy
     is the base plus alpha / rank x B A of the committed adapters (numpy), every other weight the
     base's; the DeepSpeed state leaves the frozen weights out; the second update starts from the
     first one's policy (its recomputed logprobs are those of the merged policy on disk). pins:
@@ -153,7 +156,8 @@ def test_a_lora_update_trains_the_adapters_commits_the_merged_policy_and_resumes
     from tests.test_update_deepspeed import _commit_inputs
 
     exp = config.load(write_experiment("lora", run={"iterations": 2}, update={
-        "lr": 1e-2, "lora": {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}}))
+        "lr": 1e-2, "world_size": world_size, "zero_stage": zero_stage,
+        "lora": {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}}))
     from hpcrl import runs
 
     run, _ = runs.prepare(exp, "lora")
