@@ -301,21 +301,24 @@ def plot(run_dir: Path, out: Path | None) -> None:
 @main.command()
 @click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--version", "version", type=int, required=True, help="Policy version (0 is the base model).")
+@click.option("--adapters", is_flag=True, help="Write the version's LoRA adapters (peft's format) instead "
+              "of the merged model ([update.lora]).")
 @click.argument("dest", type=click.Path(path_type=Path))
-def export(run_dir: Path, version: int, dest: Path) -> None:
+def export(run_dir: Path, version: int, adapters: bool, dest: Path) -> None:
     """Write policy VERSION of RUN_DIR as a standalone HF model folder DEST (new or empty)."""
     from hpcrl import runs
     from hpcrl.export import ExportError, export_policy
 
     try:
         run, exp = runs.open_run(run_dir)
-        files = export_policy(run, exp, version, dest)
+        files = export_policy(run, exp, version, dest, adapters)
     except (ConfigError, ExportError) as err:
         _fail(str(err))
     except (commit.CorruptOutputError, OSError) as err:
         _fail(str(err), 1)
     size = sum(f.stat().st_size for f in files)
-    click.echo(f"exported policy v{version} of {run.root} to {dest} ({len(files)} files, "
+    what = "the LoRA adapters of policy" if adapters else "policy"
+    click.echo(f"exported {what} v{version} of {run.root} to {dest} ({len(files)} files, "
                f"{size / 2**20:.1f} MiB, checksums verified)")
 
 

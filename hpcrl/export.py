@@ -2,7 +2,8 @@
 
 The result is a directory of copied files (never symlinks into the run), loadable by
 transformers' `from_pretrained` and by vLLM, with an `hpcrl_export.json` saying where it came
-from. Version v > 0 is the `policy/` folder of the committed update of iteration v - 1: each copy
+from. Version v > 0 is the `policy/` folder (without a LoRA run's `policy/adapter/`, which
+`adapters` exports alone, in peft's format) of the committed update of iteration v - 1: each copy
 is checked against the sizes and sha256 of that update's manifest. Version 0 is the config's
 `model.path` (with the tokenizer of `model.tokenizer` when that is set), and each copy is checked
 against its source. The files are staged beside DIR and renamed into place, so an interrupted
@@ -23,15 +24,19 @@ from hpcrl.rundir import RunDir
 from hpcrl.stage_kinds import UPDATE
 
 PROVENANCE = "hpcrl_export.json"
+ADAPTER_DIR = "policy/adapter/"  # a LoRA run's adapters beside the merged policy (hpcrl.lora)
 
 
 class ExportError(RuntimeError):
     """An export that is refused: the version does not exist, or the destination is not empty."""
 
 
-def _policy_files(run: RunDir, model_path: str,
-                  version: int) -> tuple[dict[str, tuple[Path, dict | None]], str]:
-    """{relative path: (source file, manifest entry or None)} of a version, and where they come from."""
+def _policy_files(run: RunDir, model_path: str, version: int,
+                  adapters: bool = False) -> tuple[dict[str, tuple[Path, dict | None]], str]:
+    """{relative path: (source file, manifest entry or None)} of a version (or of its LoRA
+    adapters), and where they come from."""
+    if version == 0 and adapters:
+        raise ExportError("policy version 0 has no adapters: it is the base model (model.path)")
     if version == 0:
         base = Path(model_path)
         if not (base / "config.json").is_file():
@@ -46,12 +51,15 @@ def _policy_files(run: RunDir, model_path: str,
         raise ExportError(f"policy version {version} does not exist: the update of iteration {version - 1} "
                           f"({stage}) is not committed; see `hpcrl status {run.root}`")
     pruning.require(run, version, POLICY, f"export of policy version {version}")
-    prefix = "policy/"
+    prefix = ADAPTER_DIR if adapters else "policy/"
     files = {rel[len(prefix):]: (stage / rel, meta) for rel, meta in sorted(manifest["files"].items())
-             if rel.startswith(prefix)}
+             if rel.startswith(prefix) and (adapters or not rel.startswith(ADAPTER_DIR))}
+    if not files and adapters:
+        raise ExportError(f"policy version {version} has no LoRA adapters: its update trained every "
+                          "weight (update.lora.rank = 0)")
     if not files:
         raise commit.CorruptOutputError(f"{stage / commit.MANIFEST}: lists no {prefix} files")
-    return files, f"{stage / 'policy'} (committed update of iteration {version - 1})"
+    return files, f"{stage / prefix.rstrip('/')} (committed update of iteration {version - 1})"
 
 
 def _check_destination(dest: Path) -> None:
@@ -62,14 +70,16 @@ def _check_destination(dest: Path) -> None:
                           "(choose a new directory)")
 
 
-def export_policy(run: RunDir, exp: Experiment, version: int, dest: str | os.PathLike) -> list[Path]:
-    """Copy policy `version` of the run into `dest` (new or empty); returns the files written."""
+def export_policy(run: RunDir, exp: Experiment, version: int, dest: str | os.PathLike,
+                  adapters: bool = False) -> list[Path]:
+    """Copy policy `version` of the run (the merged model, or with `adapters` its LoRA adapters)
+    into `dest` (new or empty); returns the files written."""
     dest = Path(dest).absolute()
     last = exp.run.iterations
     if not 0 <= version <= last:
         raise ExportError(f"policy version {version} is out of range: this run has versions 0..{last}")
     _check_destination(dest)
-    files, origin = _policy_files(run, exp.model.path, version)
+    files, origin = _policy_files(run, exp.model.path, version, adapters)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.export-tmp"
     shutil.rmtree(tmp, ignore_errors=True)

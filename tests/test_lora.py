@@ -143,7 +143,7 @@ def test_saved_adapters_load_into_a_fresh_policy(tiny_task, tmp_path):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("world_size", "zero_stage"), [(1, 2), (2, 3)], ids=["one-rank", "z3-two-ranks"])
 def test_a_lora_update_trains_the_adapters_commits_the_merged_policy_and_resumes_from_them(
-        write_experiment, world_size, zero_stage):
+        write_experiment, world_size, zero_stage, tmp_path):
     """Two staged updates (real DeepSpeed; one rank, and two under ZeRO-3, whose weights are
     partitioned) with adapters on q_proj and v_proj: the committed policy
     is the base plus alpha / rank x B A of the committed adapters (numpy), every other weight the
@@ -183,3 +183,16 @@ def test_a_lora_update_trains_the_adapters_commits_the_merged_policy_and_resumes
         np.testing.assert_allclose(merged[name].double().numpy(), want, atol=1e-6)
     state = sum(f.stat().st_size for f in (out / "trainer").rglob("*") if f.is_file())
     assert state < 0.25 * (out / "policy" / "model.safetensors").stat().st_size
+    _exports(run, exp, tmp_path)
+
+
+def _exports(run, exp, tmp_path) -> None:
+    """`hpcrl export` writes the merged model, or on request the adapters alone."""
+    from hpcrl.export import PROVENANCE, ExportError, export_policy
+
+    merged = {p.name for p in export_policy(run, exp, 2, tmp_path / "merged")}
+    assert "model.safetensors" in merged and not {"adapter", "adapter_model.safetensors"} & merged
+    adapters = {p.name for p in export_policy(run, exp, 2, tmp_path / "adapters", adapters=True)}
+    assert adapters == {"adapter_model.safetensors", "adapter_config.json", PROVENANCE}
+    with pytest.raises(ExportError, match="version 0 has no adapters"):
+        export_policy(run, exp, 0, tmp_path / "none", adapters=True)
