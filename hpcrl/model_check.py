@@ -105,3 +105,17 @@ def limit_problems(cfg: dict, shapes: dict[str, list[int]], max_model_len: int, 
         problems.append(f"model.path: {path}: config.json says vocab_size = {vocab} but the weights' "
                         f"embedding has {rows[0]} rows: the config and the weights do not belong together")
     return problems
+
+
+def linear_problems(names: list[str], shapes: dict[str, list[int]], cfg: dict, path: str,
+                    key: str) -> list[str]:
+    """Each of `names` the last name of some linear layer of the model's blocks (a 2-D
+    `<...>.<name>.weight` that is not the vocabulary's: the embedding and the head are not
+    adapted)."""
+    vocab = _text_setting(cfg, "vocab_size")
+    linear = {n.split(".")[-2] for n, shape in shapes.items()
+              if n.endswith(".weight") and len(shape) == 2 and n.count(".") >= 1 and vocab not in shape}
+    missing = [name for name in names if name not in linear]
+    if not missing:
+        return []
+    return [f"{key}: {missing} name no linear layer of {path}; expected some of {sorted(linear)}"]

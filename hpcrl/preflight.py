@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hpcrl import data, disk_budget, model_check, moe, placement, rewards
 from hpcrl.config import ConfigError, Experiment
-from hpcrl.config_training import AlgorithmConfig, CriticConfig, ModelConfig, RunConfig
+from hpcrl.config_training import AlgorithmConfig, CriticConfig, LoraConfig, ModelConfig, RunConfig
 from hpcrl.stage_kinds import ORDER
 
 # Files that hold a tokenizer's vocabulary (without one, transformers builds an empty tokenizer).
@@ -19,13 +19,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.mo
                    "tekken.json")
 
 
-def _check_model(model: ModelConfig) -> tuple[list[str], dict | None]:
-    """config.json, the weights (present, complete, matching their index) and the limits on them."""
+def _check_model(model: ModelConfig, lora: LoraConfig) -> tuple[list[str], dict | None]:
+    """config.json, the weights (present, complete, matching their index) and the limits on them;
+    the LoRA adapters' target modules among its linear layers."""
     problems, cfg = model_check.read_config(model.path, "model.path")
     if cfg is None:
         return problems, None
     problems, shapes = model_check.weight_shapes(model.path, "model.path")
-    return problems + model_check.limit_problems(cfg, shapes, model.max_model_len, model.path), cfg
+    targets = lora.target_modules if lora.rank and shapes else []
+    return problems + model_check.limit_problems(cfg, shapes, model.max_model_len, model.path) + \
+        model_check.linear_problems(targets, shapes, cfg, model.path, "update.lora.target_modules"), cfg
 
 
 def _check_moe(exp: Experiment, model_cfg: dict | None) -> list[str]:
@@ -238,7 +241,7 @@ def _check_locks(run: RunConfig) -> list[str]:
 def check(exp: Experiment, source: str) -> list[str]:
     """Raise ConfigError listing every problem found in the experiment `source`; return notes
     for the user (prompts dropped by the length filter)."""
-    problems, model_cfg = _check_model(exp.model)
+    problems, model_cfg = _check_model(exp.model, exp.update.lora)
     problems += _check_runs_root(exp.run) or _check_locks(exp.run)
     # AutoTokenizer reads the model's config.json too: its problem is reported already
     tok_problems, tok = ([], None) if model_cfg is None and not exp.model.tokenizer else \

@@ -216,6 +216,19 @@ def test_a_load_balancing_loss_needs_a_mixture_of_experts(write_experiment):
         _load_checked(path)
 
 
+def test_lora_targets_must_name_linear_layers_of_the_model(write_experiment):
+    """pins: an adapter target that matches nothing found only when the update job starts, or one
+    on the embedding (whose adapters the merge and the tied head would not carry)."""
+    path = write_experiment(update={"lora": {"rank": 4, "target_modules": ["q_proj", "qkv", "embed_tokens"]}})
+    with pytest.raises(ConfigError, match=r"update\.lora\.target_modules: \['qkv', 'embed_tokens'\] name no "
+                                          r"linear layer of "
+                                          r".*; expected some of \[.*'down_proj', .*'q_proj'"):
+        _load_checked(path)
+    _load_checked(write_experiment("ok", update={"lora": {"rank": 4, "target_modules": ["q_proj", "up_proj"]}
+                                                 }))
+    _load_checked(write_experiment("off", update={"lora": {"rank": 0, "target_modules": ["qkv"]}}))
+
+
 def test_shared_memory_weights_need_one_node(write_experiment):
     def resident(nodes: int) -> dict:
         return {"kind": "slurm", "mode": "resident",
