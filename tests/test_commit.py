@@ -470,3 +470,19 @@ def test_a_pruned_folder_is_reported_as_pruned_and_its_files_are_not_checked(tmp
         assert str(err.value) == message
     assert commit.verified(d / "policy") == d / "policy"
     assert commit.pruned_message(d, "policy", {}) == f"{d / 'policy'}: pruned by retention (?, at ?)"
+
+
+def test_a_manifest_is_read_as_utf8_whatever_the_jobs_locale(tmp_path):
+    """Pins: the run directory's JSON read in the locale's encoding: a job started under LANG=C
+    (ASCII) would call a manifest or run.json with a non-ASCII name damaged."""
+    import json
+    import locale
+
+    path = tmp_path / "run.json"
+    path.write_bytes(json.dumps({"name": "Zürich-run"}, ensure_ascii=False).encode("utf-8"))
+    old = locale.setlocale(locale.LC_CTYPE)
+    locale.setlocale(locale.LC_CTYPE, "C")
+    try:
+        assert commit.read_json_object(path) == {"name": "Zürich-run"}
+    finally:
+        locale.setlocale(locale.LC_CTYPE, old)

@@ -418,3 +418,53 @@ def test_only_rank_0_decides_and_the_other_ranks_take_its_answers(root, monkeypa
         other.close()
     finally:
         first.close()
+
+
+def test_the_broadcast_hands_every_rank_rank_0s_value(tmp_path):
+    """Pins: `_dist_broadcast` that broadcasts another list or from another rank, or returns
+    another element than the one received (a gloo group of one process, on the CPU)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert stage._dist_broadcast({"committed": False, "tmp": "/r/.score.tmp"}) == {
+            "committed": False, "tmp": "/r/.score.tmp"}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_stage_defaults_to_rank_0_of_one_outside_a_resident_task(root):
+    """Pins: a stage kind's object built without a rank or world size (a resident task's
+    generator, the score stage) believing it is one rank of several, or resident."""
+    exp = config.load(RunDir.at(root).config_path)
+    s = FakeStage(exp, RunDir.at(root))
+    assert (s.exp, s.rank, s.world_size, s.resident) == (exp, 0, 1, False)
+    assert s.version_for(3) == 3
+
+
+def test_a_hand_submitted_slurm_job_takes_usr2_and_a_trainer_job_runs_every_rank(root, calls, monkeypatch):
+    """Pins: job_main that does not install the requeue handler of the run it was given (a job
+    submitted by hand then dies at its time limit instead of requeueing), and a trainer stage whose
+    manifest or stage object lose the world size that torch.distributed reported."""
+    import functools
+    import signal
+
+    from hpcrl import distributed, requeue, utilisation
+
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setitem(stage_kinds.KINDS, "update", _fake_kind("update", on_trainers=True))
+    monkeypatch.setattr(distributed, "init", lambda: (0, 2))
+    monkeypatch.setattr(distributed, "shutdown", lambda: None)
+    monkeypatch.setattr(stage, "_dist_broadcast", lambda value: value)  # rank 0 of two: it decides
+    monkeypatch.setattr(utilisation, "stage_ranks", lambda world: [utilisation.held()] * world)
+    before = signal.getsignal(signal.SIGUSR2)
+    try:
+        stage.job_main("update", ["--run-dir", str(root), "--iteration", "0"])
+        handler = signal.getsignal(signal.SIGUSR2)
+        assert isinstance(handler, functools.partial) and handler.func is requeue.requeue
+        assert handler.args == (config.load(RunDir.at(root).config_path).executor.max_requeues,)
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+    assert calls[-1] == ("run", 0, True, True, 0, 2, False)
+    manifest = commit.read_manifest(RunDir.at(root).stage_dir(0, "update"))
+    assert (manifest["world_size"], manifest["job_id"]) == (2, "42")
