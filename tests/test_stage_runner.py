@@ -468,3 +468,24 @@ def test_a_hand_submitted_slurm_job_takes_usr2_and_a_trainer_job_runs_every_rank
     assert calls[-1] == ("run", 0, True, True, 0, 2, False)
     manifest = commit.read_manifest(RunDir.at(root).stage_dir(0, "update"))
     assert (manifest["world_size"], manifest["job_id"]) == (2, "42")
+
+
+def test_the_stage_lines_are_flushed_to_the_job_log_as_they_are_printed(root, clock, monkeypatch):
+    """Pins: the "committed" and "already committed" lines printed without a flush: a job log is a
+    file (block-buffered), and a job killed afterwards (time limit, preemption) would lose them."""
+    import io
+
+    class Log(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.flushed: list[str] = []
+
+        def flush(self):
+            self.flushed.append(self.getvalue())
+
+    log = Log()
+    monkeypatch.setattr(sys, "stdout", log)
+    stage.run_stage("score", root, 0, lambda ctx: ctx.writer.write_table("scores", _scores()), startup=0.0)
+    assert log.flushed and log.flushed[-1] == "[score] iteration 0 committed in 0.0s: \n"
+    stage.run_stage("score", root, 0, lambda ctx: 1 / 0)
+    assert log.flushed[-1].endswith("[score] iteration 0 is already committed: nothing to do\n")
