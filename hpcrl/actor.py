@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from hpcrl import checkpoint_view, commit, lora, losses, moe, policy_model, trainer
+from hpcrl import checkpoint_view, commit, lora, losses, moe, policy_model, sequence_parallel, trainer
 from hpcrl.batches import MicroBatch, Samples, padded, response_outputs, response_values
 from hpcrl.config import Experiment
 from hpcrl.stage import StageContext
@@ -49,7 +49,7 @@ class Actor:
         u = exp.update
         n = exp.algorithm.prompts_per_iteration * exp.algorithm.group_size
         trainer.check_batch_shape(exp.update, n, world_size)
-        grad_accum = -(-(n // u.mini_batches // world_size) // u.micro_batch_size)
+        grad_accum = -(-(n // u.mini_batches // (world_size // u.sequence_parallel)) // u.micro_batch_size)
         dtype = getattr(torch, exp.model.dtype)
         tokenizer = AutoTokenizer.from_pretrained(exp.tokenizer_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -57,6 +57,7 @@ class Actor:
         self.attn_implementation = model.config._attn_implementation
         if u.gradient_checkpointing:
             policy_model.checkpoint_layers(model)
+        self.sp_group = sequence_parallel.register(model, u.sequence_parallel, u.micro_batch_size)
         k = moe.top_k(model.config)  # experts per token; None for a dense model
         self.router = moe.RouterTally(model, k) if k else None
         self.engine = trainer.make_engine(model, u.lr, exp, world_size, grad_accum, state_dir)
@@ -127,9 +128,7 @@ class Actor:
         for j, mb in enumerate(mbs):
             trainer.mark_boundary(engine, exp.update, j == len(mbs) - 1)
             mb = mb.to(engine.device)
-            logits = response_outputs(engine, mb, tally=tally)
-            logp = losses.token_logprobs(logits, mb.targets, exp.generate.temperature or 1.0)
-            token_entropy = losses.entropy(logits) if exp.algorithm.entropy_coef > 0 else None
+            logp, token_entropy, entropy_stat = self._forward(mb, tally)
             if inputs.old is None:
                 mb_old = logp.detach()
                 fresh_old.update(zip(mb.index.tolist(), response_values(mb_old, mb), strict=True))
@@ -147,12 +146,13 @@ class Actor:
                                          "update is not committed and the run stays at the last good "
                                          "policy version")
             engine.backward(out.loss * scale + self._router_term(tally, routed))
-            _accumulate(sums, out, logits, token_entropy, mb.mask, (n_tokens, len(mini)), bw)
+            _accumulate(sums, out, entropy_stat, mb.mask, (n_tokens, len(mini)), bw)
             weight_max = max(weight_max, out.weight_max.item())
             if bw is not None:
                 behaviour_max = max(behaviour_max, bw.max.item())
             grad_norm = trainer.engine_step(engine)
-        stats = dict(zip(names, trainer.all_sum([sums[k] for k in names]), strict=True))
+        n = exp.update.sequence_parallel  # a group's ranks each count its micro-batches
+        stats = dict(zip(names, [v / n for v in trainer.all_sum([sums[k] for k in names])], strict=True))
         stats.update(grad_norm=grad_norm, lr=engine.get_lr()[0], tokens=n_tokens,
                      is_weight_max=trainer.all_max(weight_max),
                      off_policy_weight_max=trainer.all_max(behaviour_max) if self.off_policy else None)
@@ -161,6 +161,22 @@ class Actor:
         if inputs.old is None:
             stats["old"] = trainer.all_gather_rows(fresh_old)
         return stats
+
+    def _forward(self, mb: MicroBatch, tally) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """A micro-batch's token logprobs, its token entropies where the loss takes them (else
+        None), and its token entropies detached (a statistic); under sequence parallelism each
+        rank of the group computes its slice of the sequence."""
+        temperature = self.exp.generate.temperature or 1.0
+        with_entropy = self.exp.algorithm.entropy_coef > 0
+        if self.sp_group is not None:
+            logp, entropy = sequence_parallel.token_outputs(self.engine, mb, self.sp_group, temperature,
+                                                            with_entropy)
+        else:
+            logits = response_outputs(self.engine, mb, tally=tally)
+            logp = losses.token_logprobs(logits, mb.targets, temperature)
+            with torch.set_grad_enabled(with_entropy):
+                entropy = losses.entropy(logits)
+        return logp, entropy if with_entropy else None, entropy.detach()
 
     def _behaviour_weight(self, samples: Samples, mb: MicroBatch,
                           old: torch.Tensor) -> losses.BehaviourWeight | None:
@@ -221,18 +237,16 @@ def _router_stats(routed: list[tuple[torch.Tensor, float]]) -> dict:
     return {**stats, "moe_aux_loss": totals[-2] / totals[-1]}
 
 
-def _accumulate(sums: dict[str, float], out: losses.PolicyLoss, logits: torch.Tensor,
-                token_entropy: torch.Tensor | None, mask: torch.Tensor, totals: tuple[int, int],
-                behaviour: losses.BehaviourWeight | None = None) -> None:
+def _accumulate(sums: dict[str, float], out: losses.PolicyLoss, token_entropy: torch.Tensor,
+                mask: torch.Tensor, totals: tuple[int, int], behaviour: losses.BehaviourWeight | None = None
+                ) -> None:
     """Add one micro-batch's share of the step's statistics: token means over the mini-batch's
     `totals` (tokens, sequences), or sequence means for a loss that clips sequences; the
     off-policy weight's (`behaviour`) are token means."""
     n_tokens, n_seqs = totals
     tokens = float(mask.sum())
     share = tokens / n_tokens if out.level == "token" else float((mask.sum(-1) > 0).sum()) / n_seqs
-    with torch.no_grad():
-        ent = losses.token_sum(token_entropy if token_entropy is not None else losses.entropy(logits),
-                               mask).item()
+    ent = losses.token_sum(token_entropy, mask).item()
     sums["loss"] += out.loss.item()
     sums["pg_loss"] += out.pg_loss.item()
     sums["pg_clipfrac"] += out.clipfrac.item() * share

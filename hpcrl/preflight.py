@@ -39,6 +39,31 @@ def _check_moe(exp: Experiment, model_cfg: dict | None) -> list[str]:
     return []
 
 
+def _check_sequence_parallel(exp: Experiment, model_cfg: dict | None) -> list[str]:
+    """A model whose attention heads the sequence-parallel ranks divide, on an attention path
+    DeepSpeed's Ulysses wraps (not eager), and dense (the router's tally counts whole rows)."""
+    n = exp.update.sequence_parallel
+    if n == 1 or model_cfg is None:
+        return []
+    key, path = "update.sequence_parallel", exp.model.path
+    text = model_cfg.get("text_config") or model_cfg
+    heads = text.get("num_attention_heads")
+    kv = text.get("num_key_value_heads") or heads
+    problems = []
+    if not heads or heads % n or (kv % n and n % kv):  # kv heads are repeated when fewer than n
+        problems.append(f"{key}: {n} ranks must divide the attention heads of {path} ({heads} query, {kv} "
+                        f"key/value heads; or the key/value heads divide {n})")
+    if moe.is_moe_config(model_cfg):
+        problems.append(f"{key}: {path} is a mixture-of-experts model; sequence parallelism is built for "
+                        "dense models (expected 1)")
+    attention = exp.model.attn_implementation
+    if attention == "eager" or (attention == "auto" and text.get("attn_logit_softcapping")):
+        problems.append(f"{key}: the eager attention (model.attn_implementation, or a model that soft-caps "
+                        "its attention logits) builds a full attention mask, which DeepSpeed's Ulysses "
+                        "cannot split; expected sdpa")
+    return problems
+
+
 def _check_critic(critic: CriticConfig | None) -> list[str]:
     path = critic.path if critic is not None else ""
     if not path:
@@ -249,6 +274,7 @@ def check(exp: Experiment, source: str) -> list[str]:
     data_problems, notes = _check_data(exp, tok)
     problems += (tok_problems + data_problems + _check_algorithm(exp.algorithm)
                  + _check_critic(exp.algorithm.critic) + _check_moe(exp, model_cfg) + _check_rewards(exp)
+                 + _check_sequence_parallel(exp, model_cfg)
                  + _check_batch(exp) + _check_slurm(exp) + _check_memory(exp))
     if not problems:  # the disk budget is only worth a look for a run that can start
         disk_problems, disk_notes = disk_budget.check(exp)

@@ -114,17 +114,22 @@ def engine_step(engine) -> float:
 def step_micro_batches(samples: Samples, mini: list[int], rank: int, world_size: int, u,
                        pad_id: int) -> list[MicroBatch]:
     """This rank's micro-batches of mini-batch `mini` for one optimizer step (hpcrl.batches:
-    `u.micro_batch_size` rows each, or packed, as many on every rank)."""
-    shares = [rank_rows(mini, r, world_size) for r in range(world_size)]
-    return batches.step_micro_batches(samples, shares, rank, u.micro_batch_size, pad_id, u.share_prompts,
+    `u.micro_batch_size` rows each, or packed, as many on every rank). With sequence parallelism
+    the rows are split over the groups of `u.sequence_parallel` ranks, each group's ranks taking
+    the same micro-batches (hpcrl.sequence_parallel)."""
+    n = u.sequence_parallel
+    shares = [rank_rows(mini, r, world_size // n) for r in range(world_size // n)]
+    return batches.step_micro_batches(samples, shares, rank // n, u.micro_batch_size, pad_id, u.share_prompts,
                                       u.max_tokens_per_micro_batch)
 
 
 def gradient_scale(engine, u, micro_batches: int, world_size: int) -> int:
     """The factor that undoes DeepSpeed's mean over the ranks and the micro-batches of a step (it
-    divides each loss by gradient_accumulation_steps, which packed micro-batches need not number)."""
+    divides each loss by gradient_accumulation_steps, which packed micro-batches need not number).
+    A sequence-parallel group's n ranks compute one loss, whose gradient their gather sums n times
+    (hpcrl.sequence_parallel): the group counts as one rank."""
     steps = engine.gradient_accumulation_steps() if u.max_tokens_per_micro_batch else micro_batches
-    return world_size * steps
+    return world_size // u.sequence_parallel * steps
 
 
 def mark_boundary(engine, u, last: bool) -> None:
@@ -152,10 +157,12 @@ def split_mini_batches(group_ids: list[int], mini_batches: int, seed: int, epoch
 
 
 def check_batch_shape(u: UpdateConfig, n_samples: int, world_size: int) -> None:
-    if n_samples % (u.mini_batches * world_size):
+    groups = world_size // u.sequence_parallel  # the ranks that take rows of their own
+    if n_samples % (u.mini_batches * groups):
+        over = f"update.world_size={world_size} ranks" if groups == world_size else \
+            f"{groups} groups of update.sequence_parallel={u.sequence_parallel} ranks"
         raise ValueError(f"update: {n_samples} samples cannot be split into "
-                         f"update.mini_batches={u.mini_batches} mini-batches over "
-                         f"update.world_size={world_size} ranks evenly")
+                         f"update.mini_batches={u.mini_batches} mini-batches over {over} evenly")
 
 
 def refuse_non_finite(iteration: int, stats: list[dict], modules: dict[str, torch.nn.Module]) -> None:
