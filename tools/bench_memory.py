@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Memory and time of one update micro-batch at long sequence lengths, with and without the memory
-features (update.gradient_checkpointing, update.max_tokens_per_micro_batch), side by side in one run.
+features (update.gradient_checkpointing, update.max_tokens_per_micro_batch, update.sequence_parallel),
+side by side in one run.
 
     python tools/bench_memory.py [--lengths 1024,4096,16384] [--features plain,checkpointing] [--rows 1]
+    python tools/bench_memory.py --features plain,checkpointing,sp2,checkpointing+sp2
     python tools/bench_memory.py --rows 4 --lengths 1024,4096 \
         --features plain,packed,checkpointing,packed+checkpointing
 
@@ -11,9 +13,11 @@ runs the update's forward and backward (hpcrl.batches.collate and response_outpu
 loss's shape: a weighted sum of the response tokens' logprobs) on one micro-batch of --rows
 sequences of the given length, halved from one row to the next (4 rows of 4096: 4096, 2048, 1024
 and 512 tokens), each a 16-token prompt and the rest response: right-padded to the longest
-("plain"), or end to end ("packed"). Each case runs in its own process; peak memory is that
-process's peak RSS (getrusage) on CPU, or torch's peak allocated on a GPU, and "over the model"
-subtracts what the process held once the model was built. Time per token is the forward and
+("plain"), or end to end ("packed"); "sp2" splits each sequence over 2 ranks (gloo on CPU, each
+rank one core of the machine's two; NCCL on GPUs), as `update.sequence_parallel = 2` does. Each
+case runs in its own process (an sp case in one per rank, reporting the rank that held most); peak
+memory is that process's peak RSS (getrusage) on CPU, or torch's peak allocated on a GPU, and "over
+the model" subtracts what the process held once the model was built. Time per token is the forward and
 backward's wall time over the micro-batch's tokens, padding not counted (the median of --repeats).
 """
 
@@ -38,10 +42,8 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def case(length: int, feature: str, repeats: int, rows: int = 1) -> dict:
-    """One (length, feature) in this process: peak memory and seconds per token."""
-    import time
-
+def _setup(length: int, parts: list[str], rows: int):
+    """The model (checkpointing its layers if asked) and the micro-batch; the tokens in it."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -50,9 +52,7 @@ def case(length: int, feature: str, repeats: int, rows: int = 1) -> dict:
 
     torch.manual_seed(0)
     cfg = Qwen2Config(**SHAPE, max_position_embeddings=max(length, 2048), attn_implementation="sdpa")
-    gpu = torch.cuda.is_available()
-    model = Qwen2ForCausalLM(cfg).to("cuda" if gpu else "cpu").train()
-    parts = feature.split("+")
+    model = Qwen2ForCausalLM(cfg).to("cuda" if torch.cuda.is_available() else "cpu").train()
     if "checkpointing" in parts:
         checkpoint_layers(model)
     vocab = SHAPE["vocab_size"]
@@ -61,7 +61,19 @@ def case(length: int, feature: str, repeats: int, rows: int = 1) -> dict:
                               [[0.0] * (len(s) - PROMPT) for s in seqs],
                               torch.zeros(rows, dtype=torch.float64), torch.arange(rows))
     mb = batches.collate(samples, list(range(rows)), 0, packed="packed" in parts).to(model.device)
-    tokens = sum(len(s) for s in seqs)
+    return model, mb, sum(len(s) for s in seqs)
+
+
+def _measure(model, mb, tokens: int, repeats: int, group=None) -> dict:
+    """Forward and backward of the micro-batch `repeats` times (each rank of a sequence-parallel
+    `group` its slice): peak memory and seconds per token."""
+    import time
+
+    import torch
+
+    from hpcrl import batches, sequence_parallel
+
+    gpu = torch.cuda.is_available()
     base = torch.cuda.memory_allocated() / 2**20 if gpu else _rss_mb()
     times = []
     for _ in range(repeats):
@@ -70,17 +82,63 @@ def case(length: int, feature: str, repeats: int, rows: int = 1) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        logits = batches.response_outputs(model, mb)
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, mb.targets[..., None])[..., 0]
+        if group is None:
+            logits = batches.response_outputs(model, mb)
+            logp = torch.log_softmax(logits.float(), -1).gather(-1, mb.targets[..., None])[..., 0]
+            del logits
+        else:
+            logp, _ = sequence_parallel.token_outputs(model, mb, group, 1.0, with_entropy=False)
         (logp * mb.mask).sum().backward()
         if gpu:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        del logits, logp
+        del logp
     peak = torch.cuda.max_memory_allocated() / 2**20 if gpu else _rss_mb()
     params = sum(p.numel() for p in model.parameters())
     return {"peak_mb": peak, "over_model_mb": peak - base, "s_per_token": statistics.median(times) / tokens,
             "params": params, "device": "gpu" if gpu else "cpu"}
+
+
+def case(length: int, feature: str, repeats: int, rows: int = 1) -> dict:
+    """One (length, feature) in this process (a feature with "sp<n>": in n processes, the most any
+    one of them held): peak memory and seconds per token."""
+    parts = feature.split("+")
+    sp = next((int(p[2:]) for p in parts if p.startswith("sp")), 1)
+    if sp == 1:
+        return _measure(*_setup(length, parts, rows), repeats)
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from hpcrl.distributed import free_port
+
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_sp_rank, args=(sp, free_port(), length, parts, repeats, rows, out), nprocs=sp)
+        ranks = [json.loads((Path(out) / f"{r}.json").read_text()) for r in range(sp)]
+    return max(ranks, key=lambda r: r["peak_mb"]) | {"s_per_token": max(r["s_per_token"] for r in ranks)}
+
+
+def _sp_rank(rank: int, n: int, port: int, length: int, parts: list[str], repeats: int, rows: int,
+             out: str) -> None:
+    """One rank of a sequence-parallel case (gloo on CPU, NCCL on GPUs): its measure into out/<rank>.json."""
+    import os
+
+    import deepspeed
+    import torch
+
+    from hpcrl import distributed, sequence_parallel
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+    deepspeed.init_distributed(dist_backend=distributed.default_backend(torch.cuda.is_available()),
+                               verbose=False)
+    model, mb, tokens = _setup(length, parts, rows)
+    group = sequence_parallel.register(model, n, rows)
+    (Path(out) / f"{rank}.json").write_text(json.dumps(_measure(model, mb, tokens, repeats, group)))
 
 
 def main() -> None:
