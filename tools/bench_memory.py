@@ -14,7 +14,8 @@ loss's shape: a weighted sum of the response tokens' logprobs) on one micro-batc
 sequences of the given length, halved from one row to the next (4 rows of 4096: 4096, 2048, 1024
 and 512 tokens), each a 16-token prompt and the rest response: right-padded to the longest
 ("plain"), or end to end ("packed"); "sp2" splits each sequence over 2 ranks (gloo on CPU, each
-rank one core of the machine's two; NCCL on GPUs), as `update.sequence_parallel = 2` does. Each
+rank one core of the machine's two; NCCL on GPUs), as `update.sequence_parallel = 2` does; "lora"
+trains rank-8 adapters on the attention projections only (`[update.lora]`). Each
 case runs in its own process (an sp case in one per rank, reporting the rank that held most); peak
 memory is that process's peak RSS (getrusage) on CPU, or torch's peak allocated on a GPU, and "over
 the model" subtracts what the process held once the model was built. Time per token is the forward and
@@ -55,6 +56,11 @@ def _setup(length: int, parts: list[str], rows: int):
     model = Qwen2ForCausalLM(cfg).to("cuda" if torch.cuda.is_available() else "cpu").train()
     if "checkpointing" in parts:
         checkpoint_layers(model)
+    if "lora" in parts:  # rank-8 adapters on the attention projections; the rest frozen
+        from hpcrl import lora
+        from hpcrl.config_training import LoraConfig
+
+        model = lora.wrap(model, LoraConfig(rank=8), seed=0)
     vocab = SHAPE["vocab_size"]
     seqs = [torch.randint(3, vocab, (max(length >> r, PROMPT + 1),)).tolist() for r in range(rows)]
     samples = batches.Samples(None, [s[:PROMPT] for s in seqs], [s[PROMPT:] for s in seqs],
