@@ -36,7 +36,13 @@ def register(model: torch.nn.Module, n: int, micro_batch_size: int):
     of this rank (None for n = 1)."""
     if n == 1:
         return None
+    import deepspeed
+    import torch.distributed as dist
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    # DeepSpeed's groups are made through its own comm layer, which wraps the process group the
+    # resident trainers made themselves (a stage job's is made by DeepSpeed already)
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
 
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model, model.config._attn_implementation, n, micro_batch_size, seq_length_is_variable=True,
