@@ -297,3 +297,409 @@ def test_a_non_finite_probe_is_refused(side):
     engine, trainer = (bad, good) if side == "engine" else (bad, bad)
     with pytest.raises(WeightSyncError, match="not finite"):
         check_probe(engine, trainer, good, 1e-4, version=2)
+
+
+def test_the_probe_check_returns_its_three_metrics_in_float64():
+    """Pins `check_probe`'s sync/* metrics: the engine's mean |difference| from the new weights
+    and from the previous ones, and how far the update moved the probe, each under its own name
+    and computed in float64 (in float32 a 1e-9 difference next to -1 rounds to 0, and a
+    lr-1e-6 update would be invisible)."""
+    from hpcrl.weight_sync import check_probe
+
+    new, old = [[-1.0, -2.0], [-3.0]], [[-1.5, -2.0], [-3.75]]
+    engine = [[-1.0, -2.0 - 1e-9], [-3.0]]
+    m = check_probe(engine, new, old, 1e-4, version=3)
+    assert set(m) == {"sync/logp_diff", "sync/logp_diff_prev", "sync/update_shift"}
+    assert m["sync/logp_diff"] == pytest.approx(1e-9 / 3, rel=1e-6)
+    assert m["sync/logp_diff_prev"] == pytest.approx((0.5 + 1e-9 + 0.75) / 3, rel=1e-12)
+    assert m["sync/update_shift"] == pytest.approx(1.25 / 3, rel=1e-12)
+    assert check_probe([], [], [], 1e-4, version=1) == {"sync/logp_diff": 0.0, "sync/logp_diff_prev": 0.0,
+                                                       "sync/update_shift": 0.0}  # no probe tokens
+
+
+def test_a_probe_answer_of_another_shape_is_refused_with_both_shapes():
+    """Pins the shape check: an engine answering for fewer probe tokens (a sequence cut short) must
+    fail with both shapes, never be compared on what the two have in common."""
+    from hpcrl.weight_sync import WeightSyncError, check_probe
+
+    with pytest.raises(WeightSyncError, match=r"probe logprobs differ in shape: \(2,\) vs \(3,\)"):
+        check_probe([[-1.0], [-2.0]], [[-1.0, -2.0], [-3.0]], [[-1.0, -2.0], [-3.0]], 1e-4, version=1)
+
+
+def test_the_probe_verdicts_tell_a_sync_that_did_not_happen_from_corrupted_weights():
+    """Pins the two failure explanations and the message around them: an engine still on the
+    previous weights is told apart from one holding neither (a name or layout read otherwise),
+    with the version, the difference, the tolerance and the consequence."""
+    from hpcrl.weight_sync import WeightSyncError, check_probe
+
+    new, old = [[-1.0, -2.0]], [[-1.5, -2.5]]  # the update moved the probe by 0.5
+    stale = (r"^after loading policy version 7, vLLM's logprobs on the probe batch differ from the "
+             r"trainer's by 5.00e-01 on average, above the tolerance 1e-02 "
+             r"\(executor.resident.sync_check_tol\): it still holds the previous weights \(0.00e\+00 "
+             r"from them\): the sync did not happen; stopping rather than training on stale or "
+             r"corrupted weights$")
+    with pytest.raises(WeightSyncError, match=stale):
+        check_probe(old, new, old, 1e-2, version=7)
+    neither = (r"^after loading policy version 8, .* by 3.00e\+00 on average, .*: it holds neither the "
+               r"new weights nor the previous ones \(2.50e\+00 from those\): weights were loaded but "
+               r"differ, as when the engine reads a name, shape or layout otherwise; stopping rather than "
+               r"training on stale or corrupted weights$")
+    with pytest.raises(WeightSyncError, match=neither):
+        check_probe([[-4.0, -5.0]], new, old, 1e-2, version=8)
+
+
+def test_the_probe_tolerances_are_inclusive():
+    """Pins `<=` at each boundary of `check_probe` (values exact in binary): an engine exactly
+    `tol` from the new weights passes; one exactly `tol` from the previous weights is 'still on
+    the previous weights', not 'neither'; an engine as far from both (diff_old == diff_new) after
+    an update beyond the tolerance is a sync that did not take effect, and an update moving the
+    probe by exactly the tolerance is not yet 'beyond what the two can tell apart'."""
+    from hpcrl.weight_sync import WeightSyncError, check_probe
+
+    assert check_probe([[-1.25]], [[-1.0]], [[-1.0]], 0.25, version=1)["sync/logp_diff"] == 0.25
+    with pytest.raises(WeightSyncError, match=r"still holds the previous weights \(2.50e-01 from them\)"):
+        check_probe([[-1.25]], [[-2.0]], [[-1.0]], 0.25, version=1)
+    with pytest.raises(WeightSyncError, match=r"vLLM matches the previous weights \(2.50e-01\) at least as "
+                                              r"well as the new ones \(2.50e-01\): the sync did not take "
+                                              r"effect$"):
+        check_probe([[-1.25]], [[-1.0]], [[-1.5]], 0.25, version=1)  # halfway: shift 0.5 > 0.25
+    check_probe([[-1.0]], [[-1.0]], [[-1.25]], 0.25, version=1)  # shift == tol, engine on the new weights
+    check_probe([[-1.125]], [[-1.0]], [[-1.25]], 0.25, version=1)  # shift == tol, halfway: not told apart
+
+
+def test_a_small_update_is_seen_to_arrive_beyond_four_times_the_start_noise():
+    """Pins the noise rule: with the start probe's noise measured, an update that moved the probe
+    by more than 4 x noise (though less than the tolerance) must reach the engine: an engine
+    still on the previous weights fails; by at most 4 x noise (not 5 x, not 4 / noise) it passes,
+    as the two cannot tell such an update apart."""
+    from hpcrl.weight_sync import WeightSyncError, check_probe
+
+    new, old = [[-1.0]], [[-1.0 - 4.5e-3]]  # shift 4.5e-3: above 4 x 1e-3, below tol 1e-2
+    with pytest.raises(WeightSyncError, match="did not take effect"):
+        check_probe(old, new, old, 1e-2, version=2, noise=1e-3)
+    check_probe(old, new, old, 1e-2, version=2)  # noise not measured: the tolerance rules, 4.5e-3 is within
+    check_probe(old, [[-1.0]], [[-1.0 - 3.5e-3]], 1e-2, version=2, noise=1e-3)  # 3.5e-3 <= 4e-3: passes
+    check_probe(new, new, old, 1e-2, version=2, noise=1e-3)  # the update arrived
+
+
+@pytest.mark.parametrize("side", ["engine", "trainer"])
+def test_a_non_finite_probe_names_which_side_is_not_finite(side):
+    """Pins the non-finite message's diagnosis: it says whether the trainer's own probe is finite
+    (a diverged trainer) or only the engine's is not (a broken load)."""
+    from hpcrl.weight_sync import WeightSyncError, check_probe
+
+    good, bad = [[-1.0, -2.0]], [[float("inf"), -2.0]]
+    trainer = good if side == "engine" else bad
+    which = "finite" if side == "engine" else "non-finite"
+    with pytest.raises(WeightSyncError, match=rf"^after loading policy version 5, the probe logprobs are not "
+                                              rf"finite \(trainer: {which}, difference (nan|inf)\); stopping "
+                                              r"rather than serving a non-finite policy$"):
+        check_probe(bad, trainer, good, 1e-4, version=5)
+
+
+def test_probe_tolerance_by_dtype_unless_set():
+    """Pins the probe tolerances: `sync_check_tol` when set, else 1e-4 for float32 weights and
+    1e-1 for 16-bit ones (tools/calibrate_probe.py)."""
+    assert weight_sync.probe_tolerance(0.0, "float32") == 1e-4
+    assert weight_sync.probe_tolerance(0.0, "bfloat16") == 1e-1
+    assert weight_sync.probe_tolerance(0.0, "float16") == 1e-1
+    assert weight_sync.probe_tolerance(3e-3, "float32") == 3e-3
+
+
+def test_the_sync_layout_refuses_a_worker_outside_it():
+    """Pins `SyncLayout.rank`'s bounds on both sides: an engine or tensor-parallel rank past the
+    last, or negative, has no rank (it would collide with another worker's, or with trainer 0)."""
+    layout = transports.SyncLayout(engines=2, tp=2)
+    assert layout.rank(1, 1) == 4 and layout.rank(0, 0) == 1
+    for engine, tp_rank in [(2, 0), (0, 2), (-1, 0), (0, -1), (2, 2)]:
+        with pytest.raises(ValueError, match=rf"no worker {tp_rank} of engine {engine} in 2 engine\(s\) x 2 "
+                                             r"rank\(s\)"):
+            layout.rank(engine, tp_rank)
+
+
+def test_only_shared_memory_is_refused_across_nodes_and_auto_needs_memfd(monkeypatch):
+    """Pins `choose`: an explicit process group or filesystem works with engines on other nodes
+    (only shared memory needs one node; the refusal says what to use instead); "auto" never picks
+    shared memory where the kernel has no memfd (SharedMemorySync then refuses, naming the
+    alternative)."""
+    assert transports.choose("process_group", "n1", ["n1", "n2"], cuda=False) == "process_group"
+    assert transports.choose("filesystem", "n1", "n2", cuda=True) == "filesystem"
+    across = (r'^executor.resident.weight_sync = "shared_memory" needs trainer 0 and every engine on one '
+              r'node; trainer 0 is on n1, an engine on n3: use "process_group" or "auto"$')
+    with pytest.raises(RuntimeError, match=across):
+        transports.choose("shared_memory", "n1", ["n1", "n3", "n2"], cuda=False)
+    monkeypatch.delattr(weight_sync.os, "memfd_create")
+    assert transports.choose("auto", "n1", "n1", cuda=False) == "process_group"
+    with pytest.raises(RuntimeError, match=r'^shared-memory weight sync needs Linux \(memfd\); use '
+                                           r'weight_sync = "process_group"$'):
+        SharedMemorySync()
+
+
+def test_make_names_the_registered_transports_and_register_names_the_class(monkeypatch):
+    """Pins the registry: an unknown name is refused with the list of registered ones, and
+    `register` files a class under its name and sets that name on it (the Handoff carries it)."""
+    with pytest.raises(ValueError, match=r"^unknown weight-sync transport 'pigeon'; registered: "
+                                         r"process_group, shared_memory, filesystem, saved$"):
+        transports.make({"transport": "pigeon"})
+    monkeypatch.setattr(transports, "TRANSPORTS", dict(transports.TRANSPORTS))
+
+    class Pigeon(transports.FilesystemTransport):
+        pass
+
+    assert transports.register("pigeon")(Pigeon) is Pigeon
+    assert Pigeon.name == "pigeon" and transports.TRANSPORTS["pigeon"] is Pigeon
+    made = transports.make({"transport": "pigeon", "directory": "/x"})
+    assert type(made) is Pigeon and made.setup == transports.SyncSetup("pigeon", directory="/x")
+
+
+def test_a_saved_policy_is_read_shard_by_shard_and_never_sent(tmp_path):
+    """Pins `SavedPolicyTransport`: it reads every safetensors file of the saved folder, in file
+    name order (not a glob's arbitrary order), refuses a folder without weights (naming it), and
+    refuses to send."""
+    from safetensors.torch import save_file
+
+    save_file({"b": torch.arange(3.0)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    save_file({"a": torch.ones(2, 2, dtype=torch.bfloat16)},
+              str(tmp_path / "model-00001-of-00002.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    saved = transports.make(transports.SyncSetup("saved"))
+    got = list(saved.receive(transports.Handoff("saved", path=str(tmp_path))))
+    assert [n for n, _ in got] == ["a", "b"]
+    assert torch.equal(got[0][1], torch.ones(2, 2, dtype=torch.bfloat16)) and torch.equal(got[1][1],
+                                                                                           torch.arange(3.0))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=rf"^{tmp_path / 'empty'}: no safetensors weights$"):
+        list(saved.receive(transports.Handoff("saved", path=str(tmp_path / "empty"))))
+    with pytest.raises(NotImplementedError,
+                       match="^a saved policy is read from the run directory, never sent$"):
+        saved.send([("a", torch.zeros(1))])
+
+
+def test_the_handoff_names_what_the_load_side_reads(tmp_path):
+    """Pins each transport's Handoff fields: its name, the bytes sent, and where to read them
+    (shared memory: the sender's buffer and the tensors' header; filesystem: the directory)."""
+    state = [("w", torch.arange(4.0)), ("b", torch.ones(3, dtype=torch.bfloat16))]
+    shm = transports.make(transports.SyncSetup("shared_memory"))
+    shm.open_sender()
+    h = shm.send(state)
+    assert h == transports.Handoff("shared_memory", 22, shm.sync.path,
+                                   [["w", "float32", [4], 0], ["b", "bfloat16", [3], 64]])
+    fs = transports.make(transports.SyncSetup("filesystem", directory=str(tmp_path / "w")))
+    assert fs.send(state) == transports.Handoff("filesystem", 22, str(tmp_path / "w"), [])
+    assert h.as_dict() == {"transport": "shared_memory", "bytes": 22, "path": shm.sync.path,
+                           "header": h.header}
+    setup = transports.SyncSetup("filesystem", directory="/d", lora_targets=["q_proj"])
+    assert setup.as_dict()["directory"] == "/d" and transports.SyncSetup(**setup.as_dict()) == setup
+
+
+def test_closing_a_process_group_transport_that_never_opened_is_a_no_op():
+    """Pins `close` on an end that failed before opening its group (the run's cleanup still
+    closes it): nothing to shut down, no AttributeError."""
+    t = transports.make(transports.SyncSetup("process_group"))
+    t.close()
+    assert t.sync is None
+
+
+def test_a_shared_memory_receiver_maps_the_buffer_again_only_when_it_grew():
+    """Pins the receiver's mapping reuse: a sync that fits the mapped buffer, exactly filling it
+    included, reads through the same mapping (no new mapping per sync); one that needs more maps
+    again."""
+    setup = transports.SyncSetup("shared_memory")
+    sender, receiver = transports.make(setup), transports.make(setup)
+    sender.open_sender()
+    full = [("w", torch.full((1 << 14,), 1.0))]  # 64 KiB: exactly the first buffer
+    assert dict(receiver.receive(sender.send(full)))["w"].sum() == 1 << 14
+    mapped = receiver.buffer
+    assert mapped.numel() == 1 << 16
+    full[0][1].fill_(2.0)
+    assert dict(receiver.receive(sender.send(full)))["w"].sum() == 2 << 14 and receiver.buffer is mapped
+    bigger = [("w", torch.full((1 << 14,), 3.0)), ("v", torch.ones(1))]
+    got = dict(receiver.receive(sender.send(bigger)))
+    assert receiver.buffer is not mapped and receiver.buffer.numel() == 1 << 17
+    assert got["w"].sum() == 3 << 14 and got["v"].tolist() == [1.0]
+
+
+def _in_threads(*calls, timeout_s: float = 30):
+    """Run the calls at once, each in its own thread of this process (so mutation testing, which
+    records the calls a test makes in its own process, sees both ends of a group); their results,
+    or the first exception."""
+    import threading
+
+    results, errors = [None] * len(calls), []
+
+    def run(i, call):
+        try:
+            results[i] = call()
+        except BaseException as e:  # noqa: BLE001  (re-raised below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, c), daemon=True) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "an end of the group hung"
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_a_process_group_transport_delivers_to_every_worker_in_one_process():
+    """Both ends of the process-group transport in threads of this process (the spawned-process
+    tests above are invisible to mutation testing): trainer 0 sends in small buckets of mixed
+    dtypes and shapes, the two tensor-parallel workers of an engine each open their own rank and
+    receive every tensor bit-identical, in order; the Handoff names the transport and the bytes
+    sent. Pins the header (names, dtypes, shapes), the flat buffers' offsets, the end marker, the
+    ranks and the store the receivers join."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hpcrl.distributed import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, None, is_master=True, timeout=timedelta(seconds=20),
+                          wait_for_workers=False)
+    setup = transports.SyncSetup("process_group", "127.0.0.1", port, tp=2, timeout_s=20, bucket_bytes=1024)
+    state = _state()
+    state["bias.0"] = torch.arange(5, dtype=torch.float64).reshape(5, 1)
+    state["empty"] = torch.zeros(0, 3)
+    sender, receivers = transports.make(setup), [transports.make(setup.as_dict()) for _ in range(2)]
+
+    def send():
+        sender.open_sender(store)
+        return sender.send(iter(state.items()))
+
+    def receive(tp_rank):
+        def run():
+            receivers[tp_rank].open_receiver(0, tp_rank)
+            got = [(n, str(t.dtype), list(t.shape), _raw(t))
+                   for n, t in receivers[tp_rank].receive(transports.Handoff("process_group"))]
+            return receivers[tp_rank].sync.rank, got
+        return run
+
+    handoff, *got = _in_threads(send, receive(0), receive(1))
+    try:
+        assert handoff == transports.Handoff("process_group", sum(t.numel() * t.element_size()
+                                                                  for t in state.values()))
+        expected = [(n, str(t.dtype), list(t.shape), _raw(t)) for n, t in state.items()]
+        assert got == [(1, expected), (2, expected)]  # each worker its own rank, every tensor, in order
+    finally:
+        for end in (sender, *receivers):
+            end.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_process_group_mechanism_per_tensor_and_bucketed_in_one_process():
+    """`make_group` and `ProcessGroupSync` with a sender and two receivers in this process:
+    per-tensor (bucket 0), small buckets and one bucket all deliver the same tensors to both, and
+    `send` counts every byte. Pins the byte strings' lengths (the header of each bucket, then the
+    empty end marker) and rank 0 alone hosting the store (two hosts of one port fail)."""
+    from hpcrl.distributed import free_port
+
+    state = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.arange(300.0),
+             "c": torch.tensor([1, -2, 3], dtype=torch.int32), "d": torch.ones(2, 2, dtype=torch.bfloat16)}
+    expected = [(n, str(t.dtype), list(t.shape), _raw(t)) for n, t in state.items()]
+    for bucket_bytes in (0, 100, 1 << 20):
+        port = free_port()
+
+        def rank(r, bucket_bytes=bucket_bytes, port=port):
+            def run():
+                pg, store = make_group("127.0.0.1", port, r, 3, timeout_s=20)
+                sync = ProcessGroupSync(pg, r, bucket_bytes)
+                if r == 0:
+                    out = sync.send(iter(state.items()))
+                else:
+                    out = [(n, str(t.dtype), list(t.shape), _raw(t)) for n, t in sync.receive()]
+                pg.shutdown()
+                return out
+            return run
+
+        sent, *got = _in_threads(rank(0), rank(1), rank(2))
+        assert sent == 48 + 1200 + 12 + 8, bucket_bytes
+        assert got == [expected, expected], bucket_bytes
+
+
+def test_the_shared_buffer_lays_tensors_out_on_cache_lines_and_grows_by_doubling():
+    """Pins `SharedMemorySync`'s layout and growth: each tensor starts on a 64-byte boundary after
+    the previous one (the header gives name, dtype, shape and offset), the byte count is the
+    tensors' own; the buffer is a memfd named hpcrl-weights, at least 64 KiB, kept while a send
+    fits (exactly filling it included), else grown to the larger of twice its size and what the
+    send needs, in the same file (the path the receivers map does not change)."""
+    import os
+
+    sync = SharedMemorySync()
+    assert sync.path is None and sync.buffer is None  # nothing until the first send
+    state = [("w", torch.arange(4.0)), ("b", torch.ones(3, dtype=torch.bfloat16)),
+             ("i", torch.tensor([[1, 2], [3, 4]])), ("z", torch.zeros(16))]
+    nbytes, header = sync.send(state)
+    assert nbytes == 16 + 6 + 32 + 64
+    assert header == [["w", "float32", [4], 0], ["b", "bfloat16", [3], 64], ["i", "int64", [2, 2], 128],
+                      ["z", "float32", [16], 192]]
+    assert SharedMemorySync.end(header) == 256
+    assert SharedMemorySync.end(header[:2]) == 70
+    path = sync.path
+    assert os.readlink(path).startswith("/memfd:hpcrl-weights")
+    assert sync.buffer.numel() == 1 << 16
+    mapped = SharedMemorySync.map(path, header)
+    assert [(n, t.tolist()) for n, t in SharedMemorySync.receive(mapped, header)] == \
+        [(n, t.tolist()) for n, t in state]
+    first = sync.buffer
+    sync.send([("x", torch.zeros(1 << 14))])  # 64 KiB: fills the buffer exactly
+    assert sync.buffer is first
+    sync.send([("x", torch.zeros(1 << 14)), ("y", torch.zeros(1))])  # 64 KiB + 4: doubled
+    assert sync.buffer.numel() == 1 << 17 and sync.path == path
+    _, header = sync.send([("x", torch.arange(75_000.0))])  # 300,000 B, more than twice: as needed
+    assert sync.buffer.numel() == 300_000 == SharedMemorySync.end(header) and sync.path == path
+    got = dict(SharedMemorySync.receive(SharedMemorySync.map(path, header), header))
+    assert torch.equal(got["x"], torch.arange(75_000.0))
+
+
+def test_mapping_a_buffer_smaller_than_its_header_is_refused():
+    """Pins the receiver's size check: a buffer exactly as large as the header needs maps; a
+    header reaching past it (a sender that grew the buffer after this header was written, or
+    another sender's buffer) is refused with both sizes, never read out of bounds."""
+    from hpcrl.weight_sync import WeightSyncError
+
+    sync = SharedMemorySync()
+    _, header = sync.send([("x", torch.zeros(1 << 14))])
+    assert SharedMemorySync.map(sync.path, header).numel() == 1 << 16
+    too_far = [["x", "float32", [1 << 14], 64]]
+    with pytest.raises(WeightSyncError, match=rf"^the shared weight buffer {sync.path} holds 65536 bytes, "
+                                              r"the header needs 65600$"):
+        SharedMemorySync.map(sync.path, too_far)
+
+
+def test_buckets_hold_exactly_up_to_their_size_and_copy_no_tensor():
+    """Pins `buckets`' accounting: a bucket takes tensors while their bytes reach at most
+    `bucket_bytes` (an exact fill stays one bucket), a larger tensor goes alone, and each tensor is
+    handed on as it is (detached, contiguous: a non-contiguous view is made contiguous)."""
+    ts = [("a", torch.zeros(8)), ("b", torch.zeros(8)), ("c", torch.zeros(40)), ("d", torch.zeros(4))]
+    assert [[n for n, _ in b] for b in weight_sync.buckets(ts, 64)] == [["a", "b"], ["c"], ["d"]]
+    assert [[n for n, _ in b] for b in weight_sync.buckets(ts, 65)] == [["a", "b"], ["c"], ["d"]]
+    assert [[n for n, _ in b] for b in weight_sync.buckets(ts, 63)] == [["a"], ["b"], ["c"], ["d"]]
+    assert [[n for n, _ in b] for b in weight_sync.buckets(ts, 224)] == [["a", "b", "c"], ["d"]]
+    assert [[n for n, _ in b] for b in weight_sync.buckets(ts, 240)] == [["a", "b", "c", "d"]]
+    assert list(weight_sync.buckets([], 64)) == []
+    w = torch.arange(6.0, requires_grad=True).reshape(2, 3)
+    (bucket,) = weight_sync.buckets([("t", w.t())], 1 << 20)
+    t = bucket[0][1]
+    assert t.is_contiguous() and not t.requires_grad and t.tolist() == [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+
+
+def test_the_filesystem_sync_counts_its_bytes_and_creates_its_directory(tmp_path):
+    """Pins `FilesystemSync.send`: it creates a missing directory and its parents, returns the
+    bytes of every shard (mixed dtypes share a shard), names shards by their index and lists them
+    in the index file, which the receiver follows."""
+    import json
+
+    state = [("a", torch.arange(4.0)), ("b", torch.ones(3, dtype=torch.bfloat16)), ("c", torch.arange(8.0))]
+    sync = FilesystemSync(tmp_path / "x" / "y", shard_bytes=24)
+    assert sync.send(state) == 16 + 6 + 32
+    assert json.loads((tmp_path / "x" / "y" / "weights.json").read_text()) == {
+        "shards": ["weights-00000.safetensors", "weights-00001.safetensors"]}
+    assert sorted(p.name for p in (tmp_path / "x" / "y").iterdir()) == [
+        "weights-00000.safetensors", "weights-00001.safetensors", "weights.json"]
+    assert [(n, t.tolist()) for n, t in FilesystemSync(str(tmp_path / "x" / "y")).receive()] == \
+        [(n, t.tolist()) for n, t in state]
