@@ -17,8 +17,9 @@ and 512 tokens), each a 16-token prompt and the rest response: right-padded to t
 rank one core of the machine's two; NCCL on GPUs), as `update.sequence_parallel = 2` does; "lora"
 trains rank-8 adapters on the attention projections only (`[update.lora]`). Each
 case runs in its own process (an sp case in one per rank, reporting the rank that held most); peak
-memory is that process's peak RSS (getrusage) on CPU, or torch's peak allocated on a GPU, and "over
-the model" subtracts what the process held once the model was built. Time per token is the forward and
+memory is that process's peak RSS (getrusage; glibc told to return every block of 64 KiB or more to
+the system when freed, CASE_ENV) on CPU, or torch's peak allocated on a GPU, and "over the model"
+subtracts what the process held once the model was built. Time per token is the forward and
 backward's wall time over the micro-batch's tokens, padding not counted (the median of --repeats).
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -35,6 +37,10 @@ REPO = Path(__file__).resolve().parents[1]
 SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=12, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=512)
 PROMPT = 16
+# glibc serves allocations of 64 KiB and more with mmap and unmaps them when they are freed, so a
+# process's peak RSS is the peak of the memory it held, not the high-water mark of a heap that keeps
+# freed blocks (which made activations freed by checkpointing look held)
+CASE_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def _rss_mb() -> float:
@@ -127,8 +133,6 @@ def case(length: int, feature: str, repeats: int, rows: int = 1) -> dict:
 def _sp_rank(rank: int, n: int, port: int, length: int, parts: list[str], repeats: int, rows: int,
              out: str) -> None:
     """One rank of a sequence-parallel case (gloo on CPU, NCCL on GPUs): its measure into out/<rank>.json."""
-    import os
-
     import deepspeed
     import torch
 
@@ -165,7 +169,7 @@ def main() -> None:
             print(f"length {length} {feature}", file=sys.stderr, flush=True)
             out = subprocess.run([sys.executable, __file__, "--case", f"{length},{feature}",
                                   "--repeats", str(args.repeats), "--rows", str(args.rows)],
-                                 capture_output=True, text=True, cwd=REPO)
+                                 capture_output=True, text=True, cwd=REPO, env=CASE_ENV)
             if out.returncode != 0:
                 raise SystemExit(out.stderr[-3000:])
             rows.append((length, feature, json.loads(out.stdout.strip().splitlines()[-1])))
