@@ -151,28 +151,58 @@ def _sp_rank(rank: int, n: int, port: int, length: int, parts: list[str], repeat
     (Path(out) / f"{rank}.json").write_text(json.dumps(_measure(model, mb, tokens, repeats, group)))
 
 
+def _run_case(length: int, feature: str, repeats: int, rows: int) -> dict:
+    """One case in a fresh process (CASE_ENV)."""
+    print(f"length {length} {feature}", file=sys.stderr, flush=True)
+    out = subprocess.run([sys.executable, __file__, "--case", f"{length},{feature}",
+                          "--repeats", str(repeats), "--rows", str(rows)],
+                         capture_output=True, text=True, cwd=REPO, env=CASE_ENV)
+    if out.returncode != 0:
+        raise SystemExit(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def longest_within(budget_mb: float, features: list[str], start: int, limit: int, rows: int) -> None:
+    """For each feature, the longest sequence (doubling from `start`, up to `limit`) whose memory over
+    the model stays within `budget_mb`: a table."""
+    print(f"longest sequence whose memory over the model stays within {budget_mb:.0f} MB "
+          f"(lengths doubling from {start})")
+    print("| feature | longest that fits | over the model MB | the next length's MB |")
+    print("|---|---|---|---|")
+    for feature in features:
+        length, fits, over = start, None, None
+        while length <= limit:
+            r = _run_case(length, feature, 1, rows)
+            if r["over_model_mb"] > budget_mb:
+                over = r
+                break
+            fits = (length, r)
+            length *= 2
+        longest = f"{fits[0]} | {fits[1]['over_model_mb']:.0f}" if fits else "- | -"
+        beyond = f"{over['over_model_mb']:.0f}" if over else f"(not tried beyond {limit})"
+        print(f"| {feature} | {longest} | {beyond} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="1024,4096,16384")
     parser.add_argument("--features", default="plain,checkpointing")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--rows", type=int, default=1, help="sequences in the micro-batch, halving in length")
+    parser.add_argument("--budget-mb", type=float, help="instead of the table: the longest sequence each "
+                        "feature fits within this many MB over the model (lengths doubling from 1024)")
+    parser.add_argument("--limit", type=int, default=131072, help="with --budget-mb: the longest tried")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # "length,feature": run one case, print JSON
     args = parser.parse_args()
     if args.case:
         length, feature = args.case.split(",")
         print(json.dumps(case(int(length), feature, args.repeats, args.rows)))
         return
-    rows = []
-    for length in (int(x) for x in args.lengths.split(",")):
-        for feature in args.features.split(","):
-            print(f"length {length} {feature}", file=sys.stderr, flush=True)
-            out = subprocess.run([sys.executable, __file__, "--case", f"{length},{feature}",
-                                  "--repeats", str(args.repeats), "--rows", str(args.rows)],
-                                 capture_output=True, text=True, cwd=REPO, env=CASE_ENV)
-            if out.returncode != 0:
-                raise SystemExit(out.stderr[-3000:])
-            rows.append((length, feature, json.loads(out.stdout.strip().splitlines()[-1])))
+    if args.budget_mb:
+        longest_within(args.budget_mb, args.features.split(","), 1024, args.limit, args.rows)
+        return
+    rows = [(length, feature, _run_case(length, feature, args.repeats, args.rows))
+            for length in (int(x) for x in args.lengths.split(",")) for feature in args.features.split(",")]
     params = rows[0][2]["params"] / 1e6
     what = "one sequence" if args.rows == 1 else f"{args.rows} sequences, halving from the longest"
     print(f"one micro-batch of {what}, forward + backward; {params:.1f}M parameters; "
