@@ -138,6 +138,28 @@ class Merger:
                     yield f"{module}.{param}", base
 
 
+class WithoutAdapters:
+    """The base model of an adapted model, as a callable: `model`'s forward (a DeepSpeed engine's,
+    say) with every adapter of `module` switched off for the call. The reference policy of a LoRA
+    run, without a second copy of the weights. It sets peft's switch itself rather than through
+    `enable_adapters`, which would also stop the adapters training."""
+
+    def __init__(self, model, module: torch.nn.Module):
+        from peft.tuners.lora import LoraLayer
+
+        self.model = model
+        self.layers = [m for m in module.modules() if isinstance(m, LoraLayer)]
+
+    def __call__(self, *args, **kwargs):
+        for layer in self.layers:
+            layer._disable_adapters = True
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            for layer in self.layers:
+                layer._disable_adapters = False
+
+
 def save_adapters(model: torch.nn.Module, state: dict[str, torch.Tensor], out: Path) -> None:
     """The adapters of `state` (the model's whole state, gathered under ZeRO-3) in peft's format
     (`adapter_model.safetensors`, `adapter_config.json`), which

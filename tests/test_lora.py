@@ -79,6 +79,19 @@ def test_fresh_adapters_change_nothing_and_only_they_train(tiny_task):
                   LoraConfig(rank=4, target_modules=["query"]), seed=0)
 
 
+def test_the_reference_policy_is_the_adapted_model_with_its_adapters_off(tiny_task):
+    """pins: a reference that is the current policy (no KL to the base at all), or adapters left
+    off, or no longer training, after the reference pass."""
+    model = _adapted(tiny_task)
+    base = policy_model.load_causal_lm(tiny_task / "model", torch.float32)
+    ids = torch.tensor([[5, 17, 40, 99, 3, 250]])
+    with torch.no_grad():
+        adapted = model(ids).logits
+        assert torch.equal(lora.WithoutAdapters(model, model)(input_ids=ids).logits, base(ids).logits)
+        assert torch.equal(model(ids).logits, adapted) and not torch.equal(adapted, base(ids).logits)
+    assert all(p.requires_grad == lora.is_adapter(n) for n, p in model.named_parameters())
+
+
 def test_the_worker_merger_loads_each_adapted_layer_whole_from_the_adapters_alone(tiny_task):
     """The sync sends the bases and the adapters once, then the adapters only; the vLLM worker's
     merger turns each into the merged weights of every layer vLLM loads with an adapted module
@@ -149,15 +162,16 @@ def test_a_lora_update_trains_the_adapters_commits_the_merged_policy_and_resumes
     is the base plus alpha / rank x B A of the committed adapters (numpy), every other weight the
     base's; the DeepSpeed state leaves the frozen weights out; the second update starts from the
     first one's policy (its recomputed logprobs are those of the merged policy on disk). pins:
-    a merged policy that misses the adapters, a version that reloads fresh adapters, or a state
-    that holds the whole model."""
+    a merged policy that misses the adapters, a version that reloads fresh adapters, a state that
+    holds the whole model, or a reference (algorithm.kl) other than the base model."""
     from transformers import AutoTokenizer
 
     from tests.test_update_deepspeed import _commit_inputs
 
-    exp = config.load(write_experiment("lora", run={"iterations": 2}, update={
-        "lr": 1e-2, "world_size": world_size, "zero_stage": zero_stage,
-        "lora": {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}}))
+    update = {"lr": 1e-2, "world_size": world_size, "zero_stage": zero_stage,
+              "lora": {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}}
+    exp = config.load(write_experiment("lora", run={"iterations": 2}, algorithm={"kl": {"coef": 0.05}},
+                                       update=update))
     from hpcrl import runs
 
     run, _ = runs.prepare(exp, "lora")
@@ -167,6 +181,8 @@ def test_a_lora_update_trains_the_adapters_commits_the_merged_policy_and_resumes
         executors.LocalExecutor(run, exp).submit("update", k).job.results()
         metrics = commit.read_manifest(run.stage_dir(k, "update"))["metrics"]
         assert metrics["rollout/logprob_diff_max"] < 1e-4, metrics  # the policy it resumed is version k's
+        first = commit.read_table(run.stage_dir(k, "update"), "stats").to_pylist()[0]
+        assert (first["kl_ref"] > 1e-6) == (k == 1), first  # the reference is the base: version 0
     base = load_file(exp.model.path + "/model.safetensors")
     out = run.stage_dir(1, "update")
     merged = load_file(out / "policy" / "model.safetensors")
