@@ -4,7 +4,7 @@ With `update.lora.rank > 0` the update trains low-rank adapters beside the froze
 modules `target_modules` names (peft's LoRA layers, injected into the transformers model in place:
 the model keeps its class and its checkpoint names, each adapted module's own weight becoming
 `<module>.base_layer.weight` beside `<module>.lora_A.default.weight` and `lora_B`). The reference
-policy is the base model (`model.path`), as without adapters.
+policy is the base model: the policy with its adapters switched off (`WithoutAdapters`).
 
 What leaves the trainer is always the merged policy, W + (alpha / rank) B A for each adapted
 module, under the checkpoint's names: the `policy/` folder of every version (what vLLM, replay and
