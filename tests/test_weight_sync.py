@@ -5,6 +5,7 @@ also through the one transport interface the resident mode uses (hpcrl.transport
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 
 import pytest
 import torch
@@ -492,12 +493,21 @@ def test_the_handoff_names_what_the_load_side_reads(tmp_path):
     assert setup.as_dict()["directory"] == "/d" and transports.SyncSetup(**setup.as_dict()) == setup
 
 
-def test_closing_a_process_group_transport_that_never_opened_is_a_no_op():
-    """Pins `close` on an end that failed before opening its group (the run's cleanup still
-    closes it): nothing to shut down, no AttributeError."""
+def test_closing_a_process_group_transport_shuts_its_group_down_once():
+    """Pins `close`: it shuts the end's group down (a gloo group left to the interpreter's exit
+    warns, NCCL's may hang), once however often it is called, and is a no-op on an end that failed
+    before opening its group (the run's cleanup still closes it). A broadcast on a shut-down gloo
+    group only times out, like one whose peers are gone, so the shutdown is recorded here."""
+    from types import SimpleNamespace
+
     t = transports.make(transports.SyncSetup("process_group"))
     t.close()
     assert t.sync is None
+    shutdowns = []
+    t.sync = SimpleNamespace(pg=SimpleNamespace(shutdown=lambda: shutdowns.append(1)))
+    t.close()
+    t.close()
+    assert shutdowns == [1] and t.sync is None
 
 
 def test_a_shared_memory_receiver_maps_the_buffer_again_only_when_it_grew():
@@ -536,8 +546,9 @@ def _in_threads(*calls, timeout_s: float = 30):
     threads = [threading.Thread(target=run, args=(i, c), daemon=True) for i, c in enumerate(calls)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while any(t.is_alive() for t in threads) and not errors and time.monotonic() < deadline:
+        time.sleep(0.01)  # the first failure ends the test: the other ends would wait for their timeout
     if errors:
         raise errors[0]
     assert not any(t.is_alive() for t in threads), "an end of the group hung"
@@ -703,3 +714,32 @@ def test_the_filesystem_sync_counts_its_bytes_and_creates_its_directory(tmp_path
         "weights-00000.safetensors", "weights-00001.safetensors", "weights.json"]
     assert [(n, t.tolist()) for n, t in FilesystemSync(str(tmp_path / "x" / "y")).receive()] == \
         [(n, t.tolist()) for n, t in state]
+
+
+def test_a_process_group_transport_builds_its_group_from_the_setup(monkeypatch):
+    """Pins what `ProcessGroupTransport` passes on (recorded, no group formed): trainer 0 is rank
+    0 of a group of 1 + engines x tp ranks; a worker joins the run's store as a client (never a
+    second server) with the setup's timeout, as its own rank; both ends use the setup's backend
+    (NCCL between GPUs), timeout, bucket size and device."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    calls = []
+    monkeypatch.setattr(weight_sync, "group_on", lambda *a: calls.append(("group", *a)) or f"pg{a[1]}")
+    monkeypatch.setattr(weight_sync, "ProcessGroupSync", lambda *a: calls.append(("sync", *a)))
+
+    class Store:
+        def __init__(self, host, port, **kw):
+            calls.append(("store", host, port, kw["is_master"], kw["timeout"]))
+
+    monkeypatch.setattr(dist, "TCPStore", Store)
+    setup = transports.SyncSetup("process_group", "n7", 4242, engines=2, tp=3, timeout_s=42.0,
+                                 bucket_bytes=777, backend="nccl")
+    transports.make(setup).open_sender("the run's store", device="cuda:0")
+    assert calls == [("group", "the run's store", 0, 7, 42.0, "nccl"), ("sync", "pg0", 0, 777, "cuda:0")]
+    calls.clear()
+    worker = transports.make(setup.as_dict())
+    worker.open_receiver(1, 2, device="cuda:2")
+    assert calls[0] == ("store", "n7", 4242, False, timedelta(seconds=42.0))
+    assert calls[1:] == [("group", worker.store, 6, 7, 42.0, "nccl"), ("sync", "pg6", 6, 777, "cuda:2")]
