@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -307,13 +308,13 @@ def test_the_probe_check_returns_its_three_metrics_in_float64():
     lr-1e-6 update would be invisible)."""
     from hpcrl.weight_sync import check_probe
 
-    new, old = [[-1.0, -2.0], [-3.0]], [[-1.5, -2.0], [-3.75]]
+    new, old = [[-1.0, -2.0], [-3.0 - 1e-9]], [[-1.5, -2.0], [-3.75]]  # 1e-9: lost in float32
     engine = [[-1.0, -2.0 - 1e-9], [-3.0]]
     m = check_probe(engine, new, old, 1e-4, version=3)
     assert set(m) == {"sync/logp_diff", "sync/logp_diff_prev", "sync/update_shift"}
-    assert m["sync/logp_diff"] == pytest.approx(1e-9 / 3, rel=1e-6)
+    assert m["sync/logp_diff"] == pytest.approx(2e-9 / 3, rel=1e-6)  # either side's 1e-9 counts
     assert m["sync/logp_diff_prev"] == pytest.approx((0.5 + 1e-9 + 0.75) / 3, rel=1e-12)
-    assert m["sync/update_shift"] == pytest.approx(1.25 / 3, rel=1e-12)
+    assert m["sync/update_shift"] == pytest.approx((1.25 - 1e-9) / 3, rel=1e-12)
     assert check_probe([], [], [], 1e-4, version=1) == {"sync/logp_diff": 0.0, "sync/logp_diff_prev": 0.0,
                                                        "sync/update_shift": 0.0}  # no probe tokens
 
@@ -498,8 +499,6 @@ def test_closing_a_process_group_transport_shuts_its_group_down_once():
     warns, NCCL's may hang), once however often it is called, and is a no-op on an end that failed
     before opening its group (the run's cleanup still closes it). A broadcast on a shut-down gloo
     group only times out, like one whose peers are gone, so the shutdown is recorded here."""
-    from types import SimpleNamespace
-
     t = transports.make(transports.SyncSetup("process_group"))
     t.close()
     assert t.sync is None
@@ -527,6 +526,7 @@ def test_a_shared_memory_receiver_maps_the_buffer_again_only_when_it_grew():
     got = dict(receiver.receive(sender.send(bigger)))
     assert receiver.buffer is not mapped and receiver.buffer.numel() == 1 << 17
     assert got["w"].sum() == 3 << 14 and got["v"].tolist() == [1.0]
+    assert list(receiver.receive(sender.send([]))) == []  # an empty sync reads nothing, maps nothing
 
 
 def _in_threads(*calls, timeout_s: float = 30):
@@ -610,6 +610,7 @@ def test_the_process_group_mechanism_per_tensor_and_bucketed_in_one_process():
     from hpcrl.distributed import free_port
 
     state = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.arange(300.0),
+             "e": torch.arange(5.0), "f": -torch.arange(7.0), "g": torch.ones(2),  # one bucket of 100 B
              "c": torch.tensor([1, -2, 3], dtype=torch.int32), "d": torch.ones(2, 2, dtype=torch.bfloat16)}
     expected = [(n, str(t.dtype), list(t.shape), _raw(t)) for n, t in state.items()]
     for bucket_bytes in (0, 100, 1 << 20):
@@ -628,7 +629,7 @@ def test_the_process_group_mechanism_per_tensor_and_bucketed_in_one_process():
             return run
 
         sent, *got = _in_threads(rank(0), rank(1), rank(2))
-        assert sent == 48 + 1200 + 12 + 8, bucket_bytes
+        assert sent == 48 + 1200 + 20 + 28 + 8 + 12 + 8, bucket_bytes
         assert got == [expected, expected], bucket_bytes
 
 
@@ -743,3 +744,46 @@ def test_a_process_group_transport_builds_its_group_from_the_setup(monkeypatch):
     worker.open_receiver(1, 2, device="cuda:2")
     assert calls[0] == ("store", "n7", 4242, False, timedelta(seconds=42.0))
     assert calls[1:] == [("group", worker.store, 6, 7, 42.0, "nccl"), ("sync", "pg6", 6, 777, "cuda:2")]
+
+
+def test_an_nccl_weight_sync_group_gets_the_timeout_and_a_gloo_one_by_default(monkeypatch):
+    """Pins `group_on`'s choice (recorded, no GPU needed): backend "nccl" makes an NCCL group
+    over the prefixed store with the timeout in its options (NCCL's own default is 10 minutes);
+    anything else, and the default, a gloo group with the timeout; and `make_group` hosts the
+    store on rank 0 only, sized for the whole group, with the caller's timeout (300 s unless
+    given)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    made = []
+
+    class Group:
+        def __init__(self, kind):
+            self.kind = kind
+
+        def __call__(self, store, rank, world_size, opts):
+            made.append((self.kind, type(store).__name__, rank, world_size, getattr(opts, "_timeout", opts)))
+            return self.kind
+
+    class NCCL(Group):
+        class Options:
+            _timeout = None
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", NCCL("nccl"), raising=False)
+    monkeypatch.setattr(dist, "ProcessGroupGloo", Group("gloo"))
+    monkeypatch.setattr(dist, "PrefixStore", lambda prefix, store: made.append(("prefix", prefix, store)) or
+                        SimpleNamespace())
+    assert weight_sync.group_on("store", 2, 5, 12.0, "nccl") == "nccl"
+    assert weight_sync.group_on("store", 1, 3, 7.0) == "gloo"
+    prefixed = ("prefix", "hpcrl-weights", "store")
+    assert made == [prefixed, ("nccl", "SimpleNamespace", 2, 5, timedelta(seconds=12)),
+                    prefixed, ("gloo", "SimpleNamespace", 1, 3, timedelta(seconds=7))]
+    stores, groups = [], []
+    monkeypatch.setattr(weight_sync, "tcp_store", lambda *a: stores.append(a) or f"store{len(stores)}")
+    monkeypatch.setattr(weight_sync, "group_on", lambda *a: groups.append(a) or "pg")
+    assert weight_sync.make_group("h", 9, 0, 3, timeout_s=4.0) == ("pg", "store1")
+    weight_sync.make_group("h", 9, 1, 3)
+    weight_sync.make_group("h", 9, 2, 3)
+    assert stores == [("h", 9, 3, True, 4.0), ("h", 9, 3, False, 300), ("h", 9, 3, False, 300)]
+    assert groups == [("store1", 0, 3, 4.0), ("store2", 1, 3, 300), ("store3", 2, 3, 300)]
