@@ -695,7 +695,7 @@ def test_buckets_hold_exactly_up_to_their_size_and_copy_no_tensor():
     assert [[n for n, _ in b] for b in weight_sync.buckets(ts, 240)] == [["a", "b", "c", "d"]]
     assert list(weight_sync.buckets([], 64)) == []
     empty, byte = torch.zeros(0, dtype=torch.uint8), torch.ones(1, dtype=torch.uint8)
-    assert [len(b) for b in weight_sync.buckets([("a", byte), ("e", empty)], 0)] == [1, 1]  # 0: one each
+    assert [len(b) for b in weight_sync.buckets([("e", empty), ("f", empty)], 0)] == [1, 1]  # 0: one each
     assert [len(b) for b in weight_sync.buckets([("a", byte), ("e", empty)], 1)] == [2]  # 1 byte fits 1 + 0
     w = torch.arange(6.0, requires_grad=True).reshape(2, 3)
     (bucket,) = weight_sync.buckets([("t", w.t())], 1 << 20)
