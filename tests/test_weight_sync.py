@@ -609,7 +609,8 @@ def test_the_process_group_mechanism_per_tensor_and_bucketed_in_one_process():
     empty end marker) and rank 0 alone hosting the store (two hosts of one port fail)."""
     from hpcrl.distributed import free_port
 
-    state = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.arange(300.0),
+    state = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "h": -torch.ones(3),  # 2 in 100 B
+             "b": torch.arange(300.0),
              "e": torch.arange(5.0), "f": -torch.arange(7.0), "g": torch.ones(2),  # one bucket of 100 B
              "c": torch.tensor([1, -2, 3], dtype=torch.int32), "d": torch.ones(2, 2, dtype=torch.bfloat16)}
     expected = [(n, str(t.dtype), list(t.shape), _raw(t)) for n, t in state.items()]
@@ -629,7 +630,7 @@ def test_the_process_group_mechanism_per_tensor_and_bucketed_in_one_process():
             return run
 
         sent, *got = _in_threads(rank(0), rank(1), rank(2))
-        assert sent == 48 + 1200 + 20 + 28 + 8 + 12 + 8, bucket_bytes
+        assert sent == 48 + 12 + 1200 + 20 + 28 + 8 + 12 + 8, bucket_bytes
         assert got == [expected, expected], bucket_bytes
 
 
