@@ -31,8 +31,14 @@ class ModelMismatchError(WeightSyncError):
 
 
 def _diffs(a: list[list[float]], b: list[list[float]]) -> np.ndarray:
-    rows = [np.asarray(x, dtype=np.float64) - np.asarray(y, dtype=np.float64)
-            for x, y in zip(a, b, strict=True)]
+    """Token by token differences of two sides' logprobs of the same rows (a row of another
+    length is refused, never broadcast)."""
+    rows = []
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if len(x) != len(y):
+            raise ModelMismatchError(f"row {i}: {len(x)} logprobs on one side, {len(y)} on the other; "
+                                     "both sides must score the same tokens")
+        rows.append(np.asarray(x, dtype=np.float64) - np.asarray(y, dtype=np.float64))
     return np.concatenate(rows) if rows else np.zeros(0)
 
 

@@ -123,3 +123,12 @@ def test_the_sampler_statistics_of_several_rows_against_numpy():
     assert m["rollout/sampler_kl"] == pytest.approx(np.mean(np.exp(r) - 1 - r), rel=1e-12)
     flipped = agreement.sampler_mismatch({0: [-1.0]}, [[-2.0]])["rollout/sampler_kl"]  # r = +1
     assert flipped == pytest.approx(math.e - 2) and flipped != pytest.approx(math.exp(-1))
+
+
+def test_rows_of_different_lengths_are_refused_not_broadcast():
+    """pins: numpy broadcasting a one-token row against a longer one (the difference of every
+    token from the one logprob), which would compare logprobs of different tokens silently."""
+    from hpcrl import agreement
+
+    with pytest.raises(agreement.ModelMismatchError, match="row 1: 1 logprobs on one side, 3 on the other"):
+        agreement.check_start([[-1.0], [-0.5]], [[-1.0], [-0.5, -0.6, -0.7]], 1e-3, "sdpa", "m")
