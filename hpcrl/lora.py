@@ -6,12 +6,13 @@ the model keeps its class and its checkpoint names, each adapted module's own we
 `<module>.base_layer.weight` beside `<module>.lora_A.default.weight` and `lora_B`). The reference
 policy is the base model: the policy with its adapters switched off (`WithoutAdapters`).
 
-What leaves the trainer is always the merged policy, W + (alpha / rank) B A for each adapted
-module, under the checkpoint's names: the `policy/` folder of every version (what vLLM, replay and
-`hpcrl export` load) and the resident mode's weight sync (hpcrl.checkpoint_view). The adapters
-themselves are kept in the version's `policy/adapter/` (peft's format, which `hpcrl export
---adapters` copies) and, with their optimizer state, in its DeepSpeed state; the next update loads
-the base model and those adapters.
+Each policy version is saved merged, W + (alpha / rank) B A for each adapted module, under the
+checkpoint's names (`merged`): its `policy/` folder is what vLLM, replay and `hpcrl export` load.
+The adapters themselves are kept in the version's `policy/adapter/` (peft's format, which `hpcrl
+export --adapters` copies) and, with their optimizer state, in its DeepSpeed state; the next update
+loads the base model and those adapters. The resident mode's weight sync sends the base weights
+and the adapters apart (`wire`) when the engines start and the adapters alone after each update;
+each vLLM worker merges them (`Merger`).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def merged(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tens
     in float32 and rounded once to W's dtype; the adapters are dropped."""
     out = {}
     for name, tensor in state.items():
-        if _A in name or _B in name:
+        if is_adapter(name):
             continue
         if _BASE not in name:
             out[name] = tensor
