@@ -66,7 +66,7 @@ class Actor:
         self.off_policy = a.max_staleness > 0 and a.off_policy_cap > 0 and a.old_logprobs == "recompute"
         self.ref_model = None
         if exp.algorithm.kl.coef > 0 and u.lora.rank:  # the base model: the policy without its adapters
-            self.ref_model = lora.WithoutAdapters(self.engine, self.engine.module)
+            self.ref_model = lora.WithoutAdapters(self.engine)
         elif exp.algorithm.kl.coef > 0:
             self.ref_model = policy_model.load_causal_lm(exp.model.path, dtype, exp.model.attn_implementation)
             self.ref_model = self.ref_model.to(self.engine.device).eval()

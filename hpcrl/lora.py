@@ -71,9 +71,14 @@ def merged(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tens
         key = f"{module}.{leaf}"
         a, b = state.get(f"{module}{_A}weight"), state.get(f"{module}{_B}weight")
         if leaf == "weight" and a is not None and b is not None:
-            tensor = (tensor.float() + scale * (b.float() @ a.float())).to(tensor.dtype)
+            tensor = _merge(tensor, a, b, scale)
         out[key] = tensor
     return out
+
+
+def _merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + scale * B A, computed in float32 and rounded once to W's dtype."""
+    return (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
 
 
 def is_adapter(name: str) -> bool:
@@ -135,21 +140,21 @@ class Merger:
                 for param, base in self.bases.get(module, {}).items():
                     a, b = adapters.get(f"{module}.lora_A"), adapters.get(f"{module}.lora_B")
                     if param == "weight" and a is not None and b is not None:
-                        base = (base.float() + self.scale * (b.float() @ a.float())).to(base.dtype)
+                        base = _merge(base, a, b, self.scale)
                     yield f"{module}.{param}", base
 
 
 class WithoutAdapters:
     """The base model of an adapted model, as a callable: `model`'s forward (a DeepSpeed engine's,
-    say) with every adapter of `module` switched off for the call. The reference policy of a LoRA
-    run, without a second copy of the weights. It sets peft's switch itself rather than through
-    `enable_adapters`, which would also stop the adapters training."""
+    say, whose `.module` holds the adapters) with every adapter switched off for the call. The
+    reference policy of a LoRA run, without a second copy of the weights. It sets peft's switch
+    itself rather than through `enable_adapters`, which would also stop the adapters training."""
 
-    def __init__(self, model, module: torch.nn.Module):
+    def __init__(self, model):
         from peft.tuners.lora import LoraLayer
 
         self.model = model
-        self.layers = [m for m in module.modules() if isinstance(m, LoraLayer)]
+        self.layers = [m for m in getattr(model, "module", model).modules() if isinstance(m, LoraLayer)]
 
     def __call__(self, *args, **kwargs):
         for layer in self.layers:

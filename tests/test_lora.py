@@ -87,7 +87,7 @@ def test_the_reference_policy_is_the_adapted_model_with_its_adapters_off(tiny_ta
     ids = torch.tensor([[5, 17, 40, 99, 3, 250]])
     with torch.no_grad():
         adapted = model(ids).logits
-        assert torch.equal(lora.WithoutAdapters(model, model)(input_ids=ids).logits, base(ids).logits)
+        assert torch.equal(lora.WithoutAdapters(model)(input_ids=ids).logits, base(ids).logits)
         assert torch.equal(model(ids).logits, adapted) and not torch.equal(adapted, base(ids).logits)
     assert all(p.requires_grad == lora.is_adapter(n) for n, p in model.named_parameters())
 
