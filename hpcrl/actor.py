@@ -57,7 +57,8 @@ class Actor:
         self.attn_implementation = model.config._attn_implementation
         if u.gradient_checkpointing:
             policy_model.checkpoint_layers(model)
-        self.sp_group = sequence_parallel.register(model, u.sequence_parallel, u.micro_batch_size)
+        self.sp_group = sequence_parallel.register(model, u.sequence_parallel,
+                                                   1 if u.max_tokens_per_micro_batch else u.micro_batch_size)
         k = moe.top_k(model.config)  # experts per token; None for a dense model
         self.router = moe.RouterTally(model, k) if k else None
         self.engine = trainer.make_engine(model, u.lr, exp, world_size, grad_accum, state_dir)

@@ -247,6 +247,14 @@ def step_micro_batches(samples: Samples, shares: list[list[int]], rank: int, siz
             for g in even_out(pack(lengths, max_tokens), count, lengths)]
 
 
+def unpack(flat: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """A packed micro-batch's outputs at its response tokens ([tokens, ...], in order) as
+    [rows, longest response, ...], aligned with mb.targets (zeros past each response)."""
+    rows = flat.new_zeros((*mb.mask.shape, *flat.shape[1:]))
+    rows[mb.mask.bool()] = flat
+    return rows
+
+
 def response_outputs(model, mb: MicroBatch, field: str = "logits",
                      tally: RouterTally | None = None) -> torch.Tensor:
     """The model's `field` output (logits; a value model's values) aligned with mb.targets.
@@ -263,10 +271,7 @@ def response_outputs(model, mb: MicroBatch, field: str = "logits",
         out = run(mb.attention_mask, lambda: model(input_ids=mb.input_ids, position_ids=mb.position_ids,
                                                    attention_mask=None, use_cache=False, **keep))
         flat = getattr(out, field)[0]
-        flat = flat if keep else flat[mb.packed]
-        rows = flat.new_zeros((*mb.mask.shape, *flat.shape[1:]))
-        rows[mb.mask.bool()] = flat
-        return rows
+        return unpack(flat if keep else flat[mb.packed], mb)
     if mb.prompts is None:
         out = run(mb.attention_mask, lambda: model(input_ids=mb.input_ids, attention_mask=mb.attention_mask))
         return getattr(out, field)[:, :-1]

@@ -276,7 +276,8 @@ class UpdateConfig(Section):
         "many consecutive ranks, which exchange attention heads for sequence slices inside each attention "
         "layer (DeepSpeed's all-to-all): 1/n of the activations and logits per rank, the same loss and "
         "gradients. The rows are split over world_size / n groups. Needs world_size a multiple of it, "
-        "share_prompts = false, no packing, a dense model whose attention heads it divides, and no critic.")
+        "share_prompts = false, a dense model whose attention heads it divides, and no critic; composes with "
+        "packing and gradient checkpointing.")
     lora: LoraConfig = Field(LoraConfig(), description="LoRA adapters on the policy (rank 0: off).")
     moe_aux_loss_coef: float = Field(
         0.0, ge=0, description="Mixture-of-experts models: weight of the router's load-balancing loss "
@@ -299,14 +300,14 @@ class UpdateConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _sequence_parallel_runs_padded_rows(self) -> UpdateConfig:
+    def _sequence_parallel_runs_rows_whole(self) -> UpdateConfig:
         n = self.sequence_parallel
         if n > 1 and self.world_size % n:
             raise Rule("sequence_parallel", f"{n} ranks per sequence must divide update.world_size = "
                                             f"{self.world_size}")
-        if n > 1 and (self.share_prompts or self.max_tokens_per_micro_batch):
-            raise Rule("sequence_parallel", "a sequence split over ranks runs whole and padded; expected "
-                       "share_prompts = false and max_tokens_per_micro_batch = 0 with it")
+        if n > 1 and self.share_prompts:
+            raise Rule("sequence_parallel", "a sequence split over ranks runs whole, its prompt with it; "
+                       "expected share_prompts = false with it")
         return self
 
     @model_validator(mode="after")

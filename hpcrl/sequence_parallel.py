@@ -17,37 +17,74 @@ backward sums the group's gradients of that loss into each rank's slice, so each
 loss by 1/n (hpcrl.trainer.gradient_scale): the group's gradient is the loss's, and DeepSpeed's
 mean over all ranks is undone as without sequence parallelism.
 
-Rows are right-padded and run without an attention mask (DeepSpeed's wrapper drops masks, which
-would not span the gathered sequence): causal attention never lets a real token see the padding
-after it, and the padding's own outputs are masked out of the loss. Packed rows would see each
-other, so packing (`update.max_tokens_per_micro_batch`) and shared prompts are refused with it.
+Plain rows are right-padded and run without an attention mask (DeepSpeed's wrapper drops masks,
+which would not span the gathered sequence): causal attention never lets a real token see the
+padding after it, and the padding's own outputs are masked out of the loss. Packed rows
+(`update.max_tokens_per_micro_batch`) run end to end as one sequence, each from position 0: the
+wrapper gathers the positions with the heads, and `segmented` runs attention on each row of the
+pack apart (with flash attention, which finds the rows from the positions itself, it is not
+needed). Shared prompts are refused with it: a prompt's KV cache would not be split.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hpcrl import losses
+from hpcrl import batches, losses
 from hpcrl.batches import MicroBatch
 
 
 def register(model: torch.nn.Module, n: int, micro_batch_size: int):
-    """Make `model`'s attention sequence-parallel over groups of `n` consecutive ranks; the group
-    of this rank (None for n = 1)."""
+    """Make `model`'s attention sequence-parallel over groups of `n` consecutive ranks, for
+    micro-batches of `micro_batch_size` rows (1 packed); the group of this rank (None for n = 1).
+    Registering again (a resident trainer's next actor) wraps the original attention again."""
     if n == 1:
         return None
     import deepspeed
     import torch.distributed as dist
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     # DeepSpeed's groups are made through its own comm layer, which wraps the process group the
     # resident trainers made themselves (a stage job's is made by DeepSpeed already)
     deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
-
+    impl = model.config._attn_implementation
+    original = _ORIGINAL.setdefault(impl, ALL_ATTENTION_FUNCTIONS[impl])
+    # DeepSpeed wraps what the key holds now and puts its wrapper there
+    ALL_ATTENTION_FUNCTIONS[impl] = segmented(original) if impl == "sdpa" else original
     mpu = UlyssesSPAttentionHF.register_with_transformers(
-        model, model.config._attn_implementation, n, micro_batch_size, seq_length_is_variable=True,
-        disable_in_eval=True)
+        model, impl, n, micro_batch_size, seq_length_is_variable=True, disable_in_eval=True)
     return mpu.get_sequence_parallel_group()
+
+
+_ORIGINAL: dict[str, object] = {}  # transformers' attention functions before `register` wrapped them
+
+
+def segmented(attention):
+    """`attention` (a transformers attention function) run on each row of a packed sequence apart
+    when it gets no mask and `position_ids` that start again inside the sequence (the gathered
+    positions of a packed micro-batch): causal within each row, as transformers' packed mask is,
+    without an O(length^2) mask. Anything else goes to `attention` as is."""
+    def run(module, query, key, value, attention_mask, *args, **kwargs):
+        positions = kwargs.get("position_ids")
+        if attention_mask is not None or positions is None or positions.shape[-1] != query.shape[2]:
+            return attention(module, query, key, value, attention_mask, *args, **kwargs)
+        bounds = [segment_bounds(row) for row in positions.tolist()]
+        if all(len(b) == 2 for b in bounds):
+            return attention(module, query, key, value, None, *args, **kwargs)
+        rows = []
+        for r, cuts in enumerate(bounds):
+            parts = [attention(module, query[r:r + 1, :, a:b], key[r:r + 1, :, a:b], value[r:r + 1, :, a:b],
+                               None, *args, **kwargs)[0] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+            rows.append(torch.cat(parts, 1))
+        return torch.cat(rows, 0), None
+    return run
+
+
+def segment_bounds(positions: list[int]) -> list[int]:
+    """Where each run of consecutive positions starts, and the end: [0, ..., len(positions)]."""
+    starts = [t for t in range(1, len(positions)) if positions[t] != positions[t - 1] + 1]
+    return [0, *starts, len(positions)]
 
 
 def slice_bounds(length: int, n: int, index: int) -> tuple[int, int, int]:
@@ -65,21 +102,28 @@ def token_outputs(model, mb: MicroBatch, group, temperature: float,
     computing its slice of the sequence; differentiable, the entropies only `with_entropy`."""
     import torch.distributed as dist
 
-    if mb.prompts is not None or mb.packed is not None:
-        raise ValueError("sequence parallelism runs rows whole and padded: expected update.share_prompts = "
-                         "false and update.max_tokens_per_micro_batch = 0")
+    if mb.prompts is not None:
+        raise ValueError("sequence parallelism runs rows whole: expected update.share_prompts = false")
     rows, length = mb.input_ids.shape
     padded, start, end = slice_bounds(length, dist.get_world_size(group), dist.get_rank(group))
     ids = torch.nn.functional.pad(mb.input_ids, (0, padded - length))
-    targets = torch.nn.functional.pad(mb.targets, (0, padded - mb.targets.shape[1]))
-    positions = torch.arange(padded, device=ids.device).expand(rows, -1)
+    if mb.packed is None:
+        targets = torch.nn.functional.pad(mb.targets, (0, padded - mb.targets.shape[1]))
+        positions = torch.arange(padded, device=ids.device).expand(rows, -1)
+    else:  # the output at t is about token t + 1; the padding goes on from the last row's positions
+        targets = torch.nn.functional.pad(mb.input_ids[:, 1:], (0, padded - length + 1))
+        more = torch.arange(1, padded - length + 1, device=ids.device)
+        positions = torch.cat([mb.position_ids, mb.position_ids[:, -1:] + more], 1)
     logits = model(input_ids=ids[:, start:end], position_ids=positions[:, start:end].contiguous(),
                    attention_mask=None, use_cache=False).logits
     logp = losses.token_logprobs(logits, targets[:, start:end], temperature)
     with torch.set_grad_enabled(with_entropy and torch.is_grad_enabled()):
         entropy = losses.entropy(logits)
-    cut = mb.targets.shape[1]
-    return _gather(logp, group)[:, :cut], _gather(entropy, group)[:, :cut]
+    logp, entropy = _gather(logp, group), _gather(entropy, group)
+    if mb.packed is None:
+        cut = mb.targets.shape[1]
+        return logp[:, :cut], entropy[:, :cut]
+    return batches.unpack(logp[0, mb.packed], mb), batches.unpack(entropy[0, mb.packed], mb)
 
 
 def _gather(local: torch.Tensor, group) -> torch.Tensor:

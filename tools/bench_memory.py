@@ -147,7 +147,7 @@ def _sp_rank(rank: int, n: int, port: int, length: int, parts: list[str], repeat
     deepspeed.init_distributed(dist_backend=distributed.default_backend(torch.cuda.is_available()),
                                verbose=False)
     model, mb, tokens = _setup(length, parts, rows)
-    group = sequence_parallel.register(model, n, rows)
+    group = sequence_parallel.register(model, n, 1 if "packed" in parts else rows)
     (Path(out) / f"{rank}.json").write_text(json.dumps(_measure(model, mb, tokens, repeats, group)))
 
 
