@@ -76,7 +76,8 @@ class Actor:
             from hpcrl.critic import Critic
 
             initial = critic_path or exp.algorithm.critic.path or exp.model.path
-            self.critic = Critic(exp, rank, world_size, initial, critic_state, grad_accum, self.pad_id)
+            self.critic = Critic(exp, rank, world_size, initial, critic_state, grad_accum, self.pad_id,
+                                 self.sp_group)
 
     def _policy_model(self, policy_path: Path, dtype) -> torch.nn.Module:
         """The policy at `policy_path`; with update.lora, the base model with the adapters saved

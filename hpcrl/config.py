@@ -87,9 +87,6 @@ class Experiment(Section):
         if self.generate.engines > 1 and self.algorithm.dynamic_sampling:
             raise Rule("generate.engines", "dynamic sampling draws its rounds over the whole batch in one "
                        "engine; expected engines = 1, or algorithm.dynamic_sampling = false")
-        if self.update.sequence_parallel > 1 and self.algorithm.critic is not None:
-            raise Rule("update.sequence_parallel", "the critic's passes do not split sequences; expected "
-                       "sequence_parallel = 1 with algorithm.name = \"ppo\"")
         self._shards_rules()
         if ex.mode != "resident" or ex.kind != "slurm":
             return self

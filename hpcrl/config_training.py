@@ -276,8 +276,8 @@ class UpdateConfig(Section):
         "many consecutive ranks, which exchange attention heads for sequence slices inside each attention "
         "layer (DeepSpeed's all-to-all): 1/n of the activations and logits per rank, the same loss and "
         "gradients. The rows are split over world_size / n groups. Needs world_size a multiple of it, "
-        "share_prompts = false, a dense model whose attention heads it divides, and no critic; composes with "
-        "packing and gradient checkpointing.")
+        "share_prompts = false and a dense model whose attention heads it divides (a critic's too); composes "
+        "with packing, gradient checkpointing and PPO's critic.")
     lora: LoraConfig = Field(LoraConfig(), description="LoRA adapters on the policy (rank 0: off).")
     moe_aux_loss_coef: float = Field(
         0.0, ge=0, description="Mixture-of-experts models: weight of the router's load-balancing loss "

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpcrl import advantages, batches, losses, policy_model, trainer
+from hpcrl import advantages, batches, losses, policy_model, sequence_parallel, trainer
 from hpcrl.config import AlgorithmConfig, Experiment
 
 HEAD_FILE = "value_head.safetensors"
@@ -68,9 +68,11 @@ def load_value_model(path: str | Path, dtype: torch.dtype) -> ValueModel:
 
 class Critic:
     def __init__(self, exp: Experiment, rank: int, world_size: int, weights: Path, state_dir: Path | None,
-                 grad_accum: int, pad_id: int):
-
+                 grad_accum: int, pad_id: int, sp_group=None):
+        """`sp_group`: this rank's sequence-parallel group (the actor's registration, which the
+        value model's attention shares: hpcrl.sequence_parallel), None without."""
         self.exp, self.rank, self.world_size, self.pad_id = exp, rank, world_size, pad_id
+        self.sp_group = sp_group
         model = load_value_model(weights, getattr(torch, exp.model.dtype))
         if exp.update.gradient_checkpointing:
             policy_model.checkpoint_layers(model.backbone)
@@ -103,7 +105,8 @@ class Critic:
         for j, mb in enumerate(mbs):
             trainer.mark_boundary(self.engine, u, j == len(mbs) - 1)
             mb = mb.to(self.engine.device)
-            values = batches.response_outputs(self.engine, mb, "values")
+            values = batches.response_outputs(self.engine, mb, "values") if self.sp_group is None else \
+                sequence_parallel.values(self.engine, mb, self.sp_group)
             out = losses.value_loss(values, batches.padded(old_values, mb), batches.padded(returns, mb),
                                     mb.mask, a.critic.value_clip, n_tokens, a.loss_agg, len(mini))
             if not torch.isfinite(out.loss):
@@ -114,7 +117,9 @@ class Critic:
             sums["vf_loss"] += out.loss.item()
             sums["vf_clipfrac"] += out.clipfrac.item() * float(mb.mask.sum()) / n_tokens
             grad_norm = trainer.engine_step(self.engine)
-        stats = dict(zip(STAT_NAMES, trainer.all_sum([sums[k] for k in STAT_NAMES]), strict=True))
+        n = u.sequence_parallel  # a group's ranks each count its micro-batches
+        totals = trainer.all_sum([sums[k] for k in STAT_NAMES])
+        stats = dict(zip(STAT_NAMES, [v / n for v in totals], strict=True))
         stats["vf_grad_norm"] = grad_norm
         return stats
 

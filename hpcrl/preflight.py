@@ -41,7 +41,8 @@ def _check_moe(exp: Experiment, model_cfg: dict | None) -> list[str]:
 
 def _check_sequence_parallel(exp: Experiment, model_cfg: dict | None) -> list[str]:
     """A model whose attention heads the sequence-parallel ranks divide, on an attention path
-    DeepSpeed's Ulysses wraps (not eager), and dense (the router's tally counts whole rows)."""
+    DeepSpeed's Ulysses wraps (not eager), and dense (the router's tally counts whole rows); a
+    critic of the policy's attention heads."""
     n = exp.update.sequence_parallel
     if n == 1 or model_cfg is None:
         return []
@@ -56,12 +57,28 @@ def _check_sequence_parallel(exp: Experiment, model_cfg: dict | None) -> list[st
     if moe.is_moe_config(model_cfg):
         problems.append(f"{key}: {path} is a mixture-of-experts model; sequence parallelism is built for "
                         "dense models (expected 1)")
+    critic = exp.algorithm.critic
+    if critic is not None and critic.path:
+        _, critic_cfg = model_check.read_config(critic.path, "algorithm.critic.path")
+        if critic_cfg is not None and attention_shape(critic_cfg) != attention_shape(model_cfg):
+            problems.append(f"{key}: the critic {critic.path} and the policy {path} must have the same "
+                            f"attention heads, which the ranks exchange with one registration (critic: "
+                            f"{attention_shape(critic_cfg)}, policy: {attention_shape(model_cfg)} as "
+                            "(query heads, key/value heads, head size))")
     attention = exp.model.attn_implementation
     if attention == "eager" or (attention == "auto" and text.get("attn_logit_softcapping")):
         problems.append(f"{key}: the eager attention (model.attn_implementation, or a model that soft-caps "
                         "its attention logits) builds a full attention mask, which DeepSpeed's Ulysses "
                         "cannot split; expected sdpa")
     return problems
+
+
+def attention_shape(model_cfg: dict) -> tuple:
+    """(query heads, key/value heads, head size) of a model's config.json."""
+    text = model_cfg.get("text_config") or model_cfg
+    heads = text.get("num_attention_heads")
+    head_dim = text.get("head_dim") or (text.get("hidden_size", 0) // heads if heads else None)
+    return heads, text.get("num_key_value_heads") or heads, head_dim
 
 
 def _check_critic(critic: CriticConfig | None) -> list[str]:

@@ -97,9 +97,27 @@ def slice_bounds(length: int, n: int, index: int) -> tuple[int, int, int]:
 
 def token_outputs(model, mb: MicroBatch, group, temperature: float,
                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The micro-batch's token logprobs of `mb.targets` and token entropies ([rows, tokens - 1],
-    aligned with the targets as hpcrl.batches.response_outputs' logits are), each rank of `group`
-    computing its slice of the sequence; differentiable, the entropies only `with_entropy`."""
+    """The micro-batch's token logprobs of `mb.targets` and token entropies (aligned with the
+    targets as hpcrl.batches.response_outputs' logits are), each rank of `group` computing its
+    slice of the sequence; differentiable, the entropies only `with_entropy`."""
+    inputs, targets = _slice(mb, group)
+    logits = model(**inputs).logits
+    logp = losses.token_logprobs(logits, targets, temperature)
+    with torch.set_grad_enabled(with_entropy and torch.is_grad_enabled()):
+        entropy = losses.entropy(logits)
+    return _aligned(_gather(logp, group), mb), _aligned(_gather(entropy, group), mb)
+
+
+def values(model, mb: MicroBatch, group) -> torch.Tensor:
+    """A value model's values (hpcrl.critic.ValueModel) aligned with mb.targets, each rank of
+    `group` computing its slice of the sequence; differentiable."""
+    inputs, _ = _slice(mb, group)
+    return _aligned(_gather(model(**inputs).values, group), mb)
+
+
+def _slice(mb: MicroBatch, group) -> tuple[dict, torch.Tensor]:
+    """This rank's slice of the micro-batch (padded to a multiple of the group's size): the
+    model's keyword arguments and the token each output position is about."""
     import torch.distributed as dist
 
     if mb.prompts is not None:
@@ -114,16 +132,16 @@ def token_outputs(model, mb: MicroBatch, group, temperature: float,
         targets = torch.nn.functional.pad(mb.input_ids[:, 1:], (0, padded - length + 1))
         more = torch.arange(1, padded - length + 1, device=ids.device)
         positions = torch.cat([mb.position_ids, mb.position_ids[:, -1:] + more], 1)
-    logits = model(input_ids=ids[:, start:end], position_ids=positions[:, start:end].contiguous(),
-                   attention_mask=None, use_cache=False).logits
-    logp = losses.token_logprobs(logits, targets[:, start:end], temperature)
-    with torch.set_grad_enabled(with_entropy and torch.is_grad_enabled()):
-        entropy = losses.entropy(logits)
-    logp, entropy = _gather(logp, group), _gather(entropy, group)
+    inputs = dict(input_ids=ids[:, start:end], position_ids=positions[:, start:end].contiguous(),
+                  attention_mask=None, use_cache=False)
+    return inputs, targets[:, start:end]
+
+
+def _aligned(gathered: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """Per-position outputs of the whole padded sequence ([rows, padded]) aligned with mb.targets."""
     if mb.packed is None:
-        cut = mb.targets.shape[1]
-        return logp[:, :cut], entropy[:, :cut]
-    return batches.unpack(logp[0, mb.packed], mb), batches.unpack(entropy[0, mb.packed], mb)
+        return gathered[:, :mb.targets.shape[1]]
+    return batches.unpack(gathered[0, mb.packed], mb)
 
 
 def _gather(local: torch.Tensor, group) -> torch.Tensor:

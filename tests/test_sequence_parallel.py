@@ -97,16 +97,35 @@ def test_two_ranks_splitting_each_sequence_update_the_policy_as_one_rank_does(wr
      {}, r"update\.sequence_parallel: 2 ranks per sequence must divide update\.world_size = 3"),
     ({"world_size": 2, "sequence_parallel": 2}, {},
      r"update\.sequence_parallel: .*expected share_prompts = false"),
-    ({"world_size": 2, "sequence_parallel": 2, "share_prompts": False}, {"name": "ppo", "critic": {}},
-     r"update\.sequence_parallel: the critic's passes do not split sequences"),
     ({"world_size": 8, "sequence_parallel": 8, "share_prompts": False, "micro_batch_size": 2}, {},
      r"update\.sequence_parallel: 8 ranks must divide the attention heads of .* \(4 query, 4 key/value"),
-], ids=["world", "shared-prompts", "critic", "heads"])
+], ids=["world", "shared-prompts", "heads"])
 def test_what_sequence_parallelism_cannot_run_is_refused_before_any_job(write_experiment, update, algorithm,
                                                                          message):
     path = write_experiment(update=update, algorithm=algorithm)
     with pytest.raises(ConfigError, match=message):
         preflight.check(config.load(path), str(path))
+
+
+def test_a_critic_whose_attention_differs_from_the_policys_is_refused(write_experiment, tiny_task, tmp_path):
+    """The value model's attention goes through the one registration made for the policy's heads.
+    pins: a critic of other heads reaching the update (DeepSpeed's all-to-all asserting mid-job)."""
+    import json
+    import shutil
+
+    critic = tmp_path / "critic"
+    shutil.copytree(tiny_task / "model", critic)
+    cfg = json.loads((critic / "config.json").read_text())
+    cfg["num_attention_heads"] *= 2
+    (critic / "config.json").write_text(json.dumps(cfg))
+    update = {"world_size": 2, "sequence_parallel": 2, "share_prompts": False}
+    path = write_experiment(update=update, algorithm={"name": "ppo", "critic": {"path": str(critic)}})
+    with pytest.raises(ConfigError, match=r"update\.sequence_parallel: the critic .* must have the same "
+                                          r"attention heads"):
+        preflight.check(config.load(path), str(path))
+    same = {"name": "ppo", "critic": {"path": str(tiny_task / "model")}}
+    path = write_experiment(update=update, algorithm=same)
+    preflight.check(config.load(path), str(path))  # the policy's own shape passes
 
 
 def test_sequence_parallel_batches_split_rows_over_groups(write_experiment):
