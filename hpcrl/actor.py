@@ -224,6 +224,23 @@ class Actor:
 
         return checkpoint_view.tensors(self.engine.module, gather, copy=True, form=form)
 
+    def release(self, keep_weights: bool = False) -> None:
+        """Colocated with vLLM: the policy's and the critic's state (hpcrl.trainer.release) and the
+        reference model in CPU memory; the policy's weights stay with `keep_weights` (for a sync)."""
+        trainer.release(self.engine, keep_weights)
+        if self.critic is not None:
+            trainer.release(self.critic.engine)
+        if isinstance(self.ref_model, torch.nn.Module):
+            self.ref_model.to("cpu")
+
+    def restore(self) -> None:
+        """Everything `release` moved back on the trainer's device."""
+        trainer.restore(self.engine)
+        if self.critic is not None:
+            trainer.restore(self.critic.engine)
+        if isinstance(self.ref_model, torch.nn.Module):
+            self.ref_model.to(self.engine.device)
+
     @torch.no_grad()
     def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Logprobs (temperature 1) of tokens 1.. of each sequence: the probe the generator repeats."""

@@ -32,6 +32,7 @@ from hpcrl.config_training import (
     RunConfig,
     TrackingConfig,
     UpdateConfig,
+    deepspeed_stage,
 )
 
 __all__ = ["SBATCH_OPTION", "SBATCH_VALUE", "AlgorithmConfig", "ConfigError", "Experiment", "PathStr",
@@ -87,6 +88,8 @@ class Experiment(Section):
         if self.generate.engines > 1 and self.algorithm.dynamic_sampling:
             raise Rule("generate.engines", "dynamic sampling draws its rounds over the whole batch in one "
                        "engine; expected engines = 1, or algorithm.dynamic_sampling = false")
+        if ex.mode == "resident" and ex.resident.colocate:
+            self._colocation_rules()
         self._shards_rules()
         if ex.mode != "resident" or ex.kind != "slurm":
             return self
@@ -98,6 +101,23 @@ class Experiment(Section):
                        f"{w} trainers + generate.engines = {n}) must spread evenly over {ex.resident.nodes} "
                        "nodes; or give the generator a node of its own ([executor.resident.generator])")
         return self
+
+    def _colocation_rules(self) -> None:
+        """The trainers' state must leave the GPU while vLLM generates (hpcrl.trainer.release):
+        DeepSpeed moves the state of its ZeRO-1/2 optimizer, of ZeRO-3's only for its own FusedAdam,
+        and not of its plain or bf16 (ZeRO-1 in bf16) optimizers."""
+        u, dtype = self.update, self.model.dtype
+        stage = deepspeed_stage(u, dtype, u.world_size)
+        if stage == 0 or (stage == 1 and dtype == "bfloat16" and u.offload == "none"):
+            runs_as = "a plain" if stage == 0 else "its bf16 (ZeRO-1)"
+            raise Rule("executor.resident.colocate", f"the update (zero_stage = {u.zero_stage} on "
+                       f"{u.world_size} rank(s) in {dtype}) runs {runs_as} optimizer, whose state DeepSpeed "
+                       "cannot move off the GPU; expected update.offload = \"optimizer\", or zero_stage = 2 "
+                       "on 2 ranks or more")
+        if stage == 3 and u.offload == "none":
+            raise Rule("executor.resident.colocate", "under ZeRO-3 DeepSpeed moves only its FusedAdam's "
+                       "state off the GPU, and the update steps torch's AdamW; expected update.offload = "
+                       "\"optimizer\" or \"all\", or zero_stage = 2")
 
     def _shards_rules(self) -> None:
         g, a = self.generate, self.algorithm

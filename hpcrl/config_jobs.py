@@ -126,7 +126,11 @@ class ResidentConfig(SlurmResources):
                                  "background while the next generation runs; that generation commits only "
                                  "after it. Off: the generator waits for the commit.")
     colocate: bool = Field(False, description="GPUs: the generator and the trainer share the GPUs; vLLM "
-                           "sleeps (frees its memory) during each update.")
+                           "sleeps (frees its memory) during each update, and the trainers move their state "
+                           "to CPU memory while vLLM generates (docs/resident.md).")
+    gpu_memory_gib: float = Field(0, ge=0, description="Memory of each GPU in GiB: with colocate, what each "
+                                  "phase of an iteration holds is checked against it at submit (0: at the "
+                                  "job's start, against the device's).")
     stall_s: float = Field(20, gt=0, description="A task whose heartbeat stalls this long is taken as dead "
                            "and the job stops.")
     collective_timeout_s: float = Field(1800, gt=0, description="Timeout of every wait between tasks "

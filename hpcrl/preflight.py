@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hpcrl import data, disk_budget, model_check, moe, placement, rewards
+from hpcrl import colocation, data, disk_budget, model_check, moe, placement, rewards
 from hpcrl.config import ConfigError, Experiment
 from hpcrl.config_training import AlgorithmConfig, CriticConfig, LoraConfig, ModelConfig, RunConfig
 from hpcrl.stage_kinds import ORDER
@@ -103,6 +103,19 @@ def _check_memory(exp: Experiment) -> list[str]:
         return [f"generate.kv_cache_gib: {exp.generate.kv_cache_gib} GiB of KV cache does not fit in "
                 f"{where}; expected a smaller cache, leaving room for the model and the process"]
     return []
+
+
+def _check_colocation(exp: Experiment) -> list[str]:
+    """A colocated resident job's phases within executor.resident.gpu_memory_gib (hpcrl.colocation);
+    without it, the job checks against the device at its start."""
+    r = exp.executor.resident if exp.executor.mode == "resident" else None
+    if r is None or not r.colocate or not r.gpu_memory_gib:
+        return []
+    params = disk_budget.params_of(exp.model.path)
+    if params is None:
+        return []
+    where = f"a GPU of executor.resident.gpu_memory_gib = {r.gpu_memory_gib:g}"
+    return colocation.check(exp, params, r.gpu_memory_gib * colocation.GIB, where)
 
 
 def _check_algorithm(a: AlgorithmConfig) -> list[str]:
@@ -292,7 +305,7 @@ def check(exp: Experiment, source: str) -> list[str]:
     problems += (tok_problems + data_problems + _check_algorithm(exp.algorithm)
                  + _check_critic(exp.algorithm.critic) + _check_moe(exp, model_cfg) + _check_rewards(exp)
                  + _check_sequence_parallel(exp, model_cfg)
-                 + _check_batch(exp) + _check_slurm(exp) + _check_memory(exp))
+                 + _check_batch(exp) + _check_slurm(exp) + _check_memory(exp) + _check_colocation(exp))
     if not problems:  # the disk budget is only worth a look for a run that can start
         disk_problems, disk_notes = disk_budget.check(exp)
         problems, notes = disk_problems, notes + disk_notes

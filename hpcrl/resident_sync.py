@@ -22,8 +22,10 @@ def checkpoint_due(exp: Experiment, iteration: int) -> bool:
 def commits_behind(exp: Experiment) -> bool:
     """Whether the trainers commit an update (and its checkpoint) after sending its weights, while
     the generator samples (`executor.resident.overlap_commit`, lock-step only); with
-    max_staleness > 0 they commit before, while the generator is still busy with its generation."""
-    return exp.executor.resident.overlap_commit and exp.algorithm.max_staleness == 0
+    max_staleness > 0 they commit before, while the generator is still busy with its generation;
+    colocated, before their state leaves the GPU for vLLM."""
+    r = exp.executor.resident
+    return r.overlap_commit and exp.algorithm.max_staleness == 0 and not r.colocate
 
 
 def probe_sequences(exp: Experiment, tokenizer) -> list[list[int]]:

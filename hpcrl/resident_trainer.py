@@ -11,7 +11,7 @@ import threading
 import time
 import traceback
 
-from hpcrl import distributed, resident_sync, transports
+from hpcrl import colocation, distributed, resident_sync, transports
 from hpcrl.config import Experiment
 from hpcrl.roles import ControlPlane
 from hpcrl.rundir import RunDir
@@ -36,9 +36,19 @@ class Trainer:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(distributed.default_backend(torch.cuda.is_available()),
                                 store=dist.PrefixStore("trainers", plane.store), rank=rank, world_size=world)
+        # colocated with vLLM: the trainers' state leaves the GPU whenever vLLM is awake (hpcrl.colocation)
+        self.colocated = exp.executor.resident.colocate
+        if self.colocated and torch.cuda.is_available():
+            colocation.check_device(exp, torch.cuda.current_device())
         self.stage = UpdateStage(exp, run, rank, world, resident=True)
         self.stage.setup(run.latest_saved_version())
         self.actor = self.stage.actor
+        if self.colocated:
+            self.actor.release()
+            plane.signal(f"released/{rank}")  # vLLM starts into the memory only then
+            if rank == 0:
+                print("[resident] colocated: the trainers' state is in CPU memory whenever vLLM is awake",
+                      flush=True)
         self.last_probe = None
         self.committer: threading.Thread | None = None
         self.commit_error: BaseException | None = None
@@ -66,6 +76,8 @@ class Trainer:
     def _start(self, probe: list[list[int]]) -> None:
         """Before the first iteration: the weights the trainers start from, sent to every engine
         (which started with none: hpcrl.resident_engines), and the probe under them (hpcrl.agreement)."""
+        if self.colocated:
+            self.actor.restore()
         self.last_probe = self.actor.sequence_logprobs(probe)
         reply = self._send_weights()
         if self.rank == 0:
@@ -78,18 +90,23 @@ class Trainer:
         the update of iteration `k`, the generator is told first (it wakes vLLM's weights)."""
         t0 = time.perf_counter()
         # with LoRA: every weight (bases and adapters) at the start, only the adapters after an update
+        if self.colocated:  # vLLM's weights wake beside the trainer's, with nothing else of it
+            self.actor.release(keep_weights=True)
         weights = self.actor.checkpoint_weights("wire" if k is None else "adapters")
         reply = {}
         if self.sync is not None:  # trainer 0 sends
-            if k is not None:
-                self.plane.signal(f"sending/{k}")
+            self.plane.signal(f"sending/{'start' if k is None else k}")
             reply["handoff"] = self.sync.send(weights).as_dict()
         elif self.exp.update.zero_stage == 3:
             collections.deque(weights, maxlen=0)
+        if self.colocated:  # before the reply, after which vLLM's KV cache wakes
+            self.actor.release()
         reply["send_s"] = time.perf_counter() - t0
         return reply
 
     def _update(self, k: int, checkpoint: bool, probe: list[list[int]]) -> None:
+        if self.colocated:  # vLLM sleeps through the update
+            self.actor.restore()
         # the probe under the current weights: the previous update's "new", or computed once
         old = self.last_probe if self.last_probe is not None else self.actor.sequence_logprobs(probe)
         attempt = OpenStage(UPDATE, self.run.root, k, self.rank, self.exp.update.world_size, startup=0.0)

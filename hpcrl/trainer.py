@@ -18,24 +18,14 @@ import torch.distributed as dist
 from hpcrl import batches, lora, losses
 from hpcrl.batches import MicroBatch, Samples, micro_batches, response_outputs, response_values
 from hpcrl.config import Experiment
-from hpcrl.config_training import UpdateConfig
+from hpcrl.config_training import UpdateConfig, deepspeed_stage
 
 DS_TAG = "state"
 
 
 def zero_stage(exp: Experiment, world_size: int) -> int:
-    """The ZeRO stage DeepSpeed runs: update.zero_stage, except that stages 1 and 2 become 0 on one
-    rank. They partition optimizer state and gradients over the data-parallel ranks; with one rank
-    there is nothing to partition, and ZeRO-2's gradient buckets cost 13% of a 99M update on CPU.
-    bf16 runs at least stage 1: DeepSpeed's stage 0 keeps no fp32 master weights and cannot
-    accumulate gradients in fp32 (its bf16 optimizer, with both, is stage 1's). With
-    update.offload, stage 2 (or 3): the stages whose optimizer steps on the CPU."""
-    stage = exp.update.zero_stage
-    if exp.update.offload != "none":  # ZeRO-Offload: the optimizer of stage 2 (or 3) on any number of ranks
-        return 3 if stage == 3 else 2
-    if exp.model.dtype == "bfloat16":
-        return 1 if stage < 2 or (world_size == 1 and stage == 2) else stage
-    return 0 if world_size == 1 and stage in (1, 2) else stage
+    """The ZeRO stage DeepSpeed runs (hpcrl.config_training.deepspeed_stage)."""
+    return deepspeed_stage(exp.update, exp.model.dtype, world_size)
 
 
 def ds_config(exp: Experiment, world_size: int, grad_accum: int) -> dict:
@@ -77,6 +67,28 @@ def make_engine(model, lr: float, exp: Experiment, world_size: int, grad_accum: 
     if state_dir is not None and load_state(engine, state_dir) is None:
         raise RuntimeError(f"no DeepSpeed state of the {what} in {state_dir}")
     return engine
+
+
+def release(engine, keep_weights: bool = False) -> None:
+    """Colocated with vLLM (executor.resident.colocate, hpcrl.colocation): the engine's optimizer
+    state and gradients, and its weights unless `keep_weights`, moved to CPU memory by DeepSpeed's
+    offload_states (ZeRO 1-3; the config refuses stage 0, and ZeRO-3 without update.offload, whose
+    torch AdamW state DeepSpeed does not move), and the GPU's cached blocks returned, so that vLLM
+    wakes into the memory. Weights offloaded by update.offload = "all" are in CPU memory already."""
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
+
+    if engine.zero_offload_param() is None:
+        states = [State.optim_states, State.hp_params, State.lp_grads, State.contiguous_grad_buffer]
+        engine.offload_states(include=states + ([] if keep_weights else [State.lp_params]),
+                              pin_memory=torch.cuda.is_available())
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def restore(engine) -> None:
+    """What `release` moved, back on the engine's device."""
+    if engine.zero_offload_param() is None:
+        engine.reload_states()
 
 
 def _frozen(engine) -> bool:

@@ -247,7 +247,8 @@ def test_colocation_is_refused_with_asynchronous_generation(write_experiment):
                             executor={"mode": "resident", "resident": {"colocate": True}})
     with pytest.raises(ConfigError, match=r"executor\.resident\.colocate: asynchronous generation"):
         config.load(path)
-    config.load(write_experiment("sync", executor={"mode": "resident", "resident": {"colocate": True}}))
+    config.load(write_experiment("sync", update={"offload": "optimizer"},
+                                 executor={"mode": "resident", "resident": {"colocate": True}}))
 
 
 _MINIMAL = {"model": {"path": "/m"}, "data": {"train": "/t.parquet"}}

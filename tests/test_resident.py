@@ -196,14 +196,19 @@ def test_resident_runs_commit_what_the_staged_run_commits(write_experiment, stag
 def test_a_resident_run_with_tensor_parallel_vllm_passes_its_probes(write_experiment):
     """Issue #17: vLLM with tensor_parallel_size = 2 (each CPU worker on its own core) receives every
     sync over the process group (a group of trainer 0 and both workers) and agrees with the trainer
-    before and after each update (the shards bit for bit: tests/test_families.py)."""
+    before and after each update (the shards bit for bit: tests/test_families.py). The run is
+    colocated too: the trainer releases its state (DeepSpeed's offload_states) whenever vLLM is
+    awake and restores it for each update and sync, so the probes pin a release or restore that
+    loses or corrupts the weights sent (vLLM's own sleep runs on GPUs only)."""
     path = write_experiment("tp2", run={"iterations": 1, "eval_every": 0},
-                            generate={"tensor_parallel_size": 2},
-                            executor=_resident(weight_sync="process_group"))
+                            generate={"tensor_parallel_size": 2}, update={"offload": "optimizer"},
+                            executor=_resident(weight_sync="process_group", colocate=True))
     out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True,
                          text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     run = RunDir.at(config.load(path).run_dir)
+    logs = "".join(p.read_text(errors="replace") for p in run.logs.rglob("*") if p.is_file())
+    assert "colocated: the trainers' state is in CPU memory" in out.stdout + logs
     start, synced = (commit.read_manifest(run.stage_dir(k, "generate"))["metrics"] for k in (0, 1))
     assert start["sync/start_logp_diff"] < 1e-5
     assert synced["sync/logp_diff"] < 1e-5 < synced["sync/update_shift"]

@@ -97,7 +97,8 @@ def test_a_shard_without_a_request_merges_as_nothing():
 
 @pytest.mark.parametrize(("overrides", "why"), [
     ({"algorithm": {"prompts_per_iteration": 1}}, "each engine samples whole groups"),
-    ({"executor": {"mode": "resident", "resident": {"colocate": True}}}, "colocated vLLM runs one engine"),
+    ({"executor": {"mode": "resident", "resident": {"colocate": True}}, "update": {"offload": "optimizer"}},
+     "colocated vLLM runs one engine"),
     ({"executor": {"kind": "slurm", "mode": "resident", "resident": {"generator": {}}}},
      r"\[executor\.resident\.generator\] is the node of one engine"),
     ({"algorithm": {"dynamic_sampling": True}}, "dynamic sampling draws its rounds over the whole batch"),

@@ -1,0 +1,133 @@
+"""Colocation (executor.resident.colocate: vLLM on the trainers' GPUs): what each phase of an
+iteration holds on a GPU (hpcrl.colocation) against hand-computed bytes, the layouts refused before
+any job, and the trainer's state leaving the device and coming back unchanged (real DeepSpeed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcrl import colocation, config, preflight
+from hpcrl.colocation import GIB, Trainer, trainer_bytes
+from hpcrl.config import ConfigError
+
+P = 7_000_000_000  # a 7B model
+
+
+def test_a_ranks_bytes_follow_zero_partitions_and_offload():
+    """pins: ZeRO partitions applied to the wrong state (ZeRO-2's gradients, ZeRO-3's weights),
+    16-bit gradients counted in 16 bits (DeepSpeed accumulates them in float32 here), or the
+    float32 master weights left out."""
+    assert trainer_bytes(P, 2, 2, 8, "none") == Trainer(2 * P, 4 * P / 8, 12 * P / 8)
+    assert trainer_bytes(P, 2, 1, 8, "none") == Trainer(2 * P, 4 * P, 12 * P / 8)
+    assert trainer_bytes(P, 2, 3, 8, "none") == Trainer(2 * P / 8, 4 * P / 8, 12 * P / 8)
+    assert trainer_bytes(P, 2, 3, 8, "all") == Trainer(0.0, 4 * P / 8, 0.0)
+    assert trainer_bytes(P, 2, 2, 1, "optimizer") == Trainer(2 * P, 4 * P, 0.0)
+    assert trainer_bytes(P, 4, 0, 1, "none") == Trainer(4 * P, 4 * P, 8 * P)  # float32: no master copy
+
+
+def test_each_phase_that_does_not_fit_is_named():
+    """A 7B bf16 policy on one 80 GiB GPU (ZeRO-1 on one rank: 14 + 28 + 84 GB of state) does not fit
+    in the update; with its optimizer state offloaded it does (42 GB). pins: a phase checked
+    against the wrong sum, or vLLM's share taken as what it leaves free."""
+    gpu = 80 * GIB
+    full = trainer_bytes(P, 2, 1, 1, "none")
+    found = colocation.problems(full, 2 * P, 0.85, gpu, "an 80 GiB GPU")
+    assert len(found) == 1 and found[0].startswith("training: ") and "117.3 GiB" in found[0]
+    offloaded = trainer_bytes(P, 2, 2, 1, "optimizer")
+    assert colocation.problems(offloaded, 2 * P, 0.85, gpu, "x") == []
+    phases = colocation.phases(offloaded, 2 * P, 0.85, gpu)
+    assert phases == {"generation": 0.85 * gpu + GIB, "training": 42e9 + 2 * GIB, "sync": 28e9 + 2 * GIB}
+    assert [p.split(":")[0] for p in colocation.problems(offloaded, 2 * P, 0.99, gpu, "x")] == ["generation"]
+    small = 30 * GIB  # 14 GB of trainer weights and 14 of vLLM's + contexts: 28.1 GiB, fits; at 26 GiB not
+    assert not [p for p in colocation.problems(offloaded, 2 * P, 0.5, small, "x") if p.startswith("sync")]
+    assert [p for p in colocation.problems(offloaded, 2 * P, 0.5, 26 * GIB, "x") if p.startswith("sync")]
+    # the critic's engine and the reference model count in the update
+    assert colocation.problems(offloaded, 2 * P, 0.85, gpu, "x", extra=full.weights + offloaded.total)
+
+
+def _resident(**resident) -> dict:
+    return {"mode": "resident", "resident": {"colocate": True, **resident}}
+
+
+@pytest.mark.parametrize(("update", "model", "message"), [
+    ({"zero_stage": 2}, {}, r"\(zero_stage = 2 on 1 rank\(s\) in float32\) runs a plain optimizer"),
+    ({"zero_stage": 1, "world_size": 2}, {"dtype": "bfloat16"}, r"runs its bf16 \(ZeRO-1\) optimizer"),
+    ({"zero_stage": 3, "world_size": 2}, {}, r"under ZeRO-3 DeepSpeed moves only its FusedAdam's state"),
+], ids=["stage-0", "bf16-zero1", "zero3-adamw"])
+def test_colocation_whose_trainer_state_cannot_leave_the_gpu_is_refused(write_experiment, update, model,
+                                                                        message):
+    """pins: a colocated job whose update holds its state on the GPU while vLLM wakes (or fails
+    to move it: DeepSpeed's bf16 optimizer has no offload_states)."""
+    with pytest.raises(ConfigError, match=r"executor\.resident\.colocate: .*" + message):
+        config.load(write_experiment(update=update, model=model, executor=_resident()))
+    for fix in ({"offload": "optimizer"}, {"zero_stage": 2, "world_size": 2}):
+        config.load(write_experiment(update={**update, **fix}, model=model, executor=_resident()))
+
+
+def test_a_colocated_layout_is_checked_against_the_gpu_memory_at_submit(write_experiment):
+    """pins: executor.resident.gpu_memory_gib read but not checked, or checked when not colocated."""
+    update = {"offload": "optimizer"}
+    path = write_experiment(update=update, executor=_resident(gpu_memory_gib=2))
+    with pytest.raises(ConfigError, match=r"executor\.resident\.colocate: generation: vLLM takes "
+                                          r"generate\.gpu_memory_utilization = 0\.85 of a GPU of "
+                                          r"executor\.resident\.gpu_memory_gib = 2"):
+        preflight.check(config.load(path), str(path))
+    path = write_experiment(update=update, executor=_resident(gpu_memory_gib=80))
+    preflight.check(config.load(path), str(path))
+
+
+def _release_round_trip(rank: int, path: str, port: int, out: str) -> None:
+    """Three bf16 ZeRO-2 steps of the tiny policy on two ranks, twice: plain, and with the state
+    released (weights kept, then everything) and restored before each step; rank 0 writes the
+    weights of both and what each release moved into `out`."""
+    import os
+
+    import deepspeed
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl import trainer
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    exp = config.load(path)
+    ids = torch.tensor([[1, 5, 7, 9, 11, 4], [2, 6, 8, 10, 3, 4]])[rank:rank + 1]
+    weights, released = [], []
+    for release in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(exp.model.path, dtype=torch.bfloat16)
+        engine = trainer.make_engine(model, 1e-2, exp, 2, 1, None)
+        for _ in range(3):
+            if release:
+                trainer.release(engine, keep_weights=True)
+                trainer.release(engine)
+                released.append(sorted(s.value for s in engine.optimizer.offloaded_states))
+                trainer.restore(engine)
+                assert not engine.optimizer.offloaded_states
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+        weights.append({k: v.float().clone() for k, v in engine.module.state_dict().items()})
+    if rank == 0:
+        torch.save({"weights": weights, "released": released}, out)
+
+
+def test_released_trainer_state_comes_back_and_the_update_is_unchanged(write_experiment, tmp_path):
+    """DeepSpeed's offload_states and reload_states around each step (ZeRO-2, bf16, two ranks)
+    give the plain update bit for bit, and a release moves every state. pins: a release that
+    leaves a state on the device (the weights, say), or a restore that loses one."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from hpcrl.distributed import free_port
+
+    path = write_experiment(model={"dtype": "bfloat16"}, update={"world_size": 2, "zero_stage": 2},
+                            executor=_resident())
+    out = tmp_path / "round_trip.pt"
+    mp.spawn(_release_round_trip, args=(str(path), free_port(), str(out)), nprocs=2)
+    result = torch.load(out)
+    plain, released = result["weights"]
+    assert plain.keys() == released.keys()
+    assert all(torch.equal(plain[k], released[k]) for k in plain)
+    assert result["released"] == [["hp_params", "lp_grads", "lp_params", "optim_states"]] * 3
