@@ -133,6 +133,42 @@ def check_bf16_update() -> str:
             "(below bf16's resolution of the weights)")
 
 
+def check_trainer_release() -> str:
+    """A colocated trainer's release (hpcrl.trainer.release: DeepSpeed's offload_states of a ZeRO-2
+    bf16 engine) frees its device memory, and restore brings every weight back unchanged."""
+    if importlib.util.find_spec("deepspeed") is None:
+        raise Skip("DeepSpeed is not installed here")
+    import deepspeed
+
+    from hpcrl import trainer
+    from hpcrl.distributed import free_port
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
+    model = _tiny_model("cuda" if _cuda() else "cpu").to(torch.bfloat16)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
+              "data_types": {"grad_accum_dtype": "fp32"}, "steps_per_print": 1 << 30}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                      config=config)
+    ids = torch.randint(0, 128, (2, 16), device=engine.device)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    weights = {n: t.detach().clone() for n, t in engine.module.state_dict().items()}
+    held = torch.cuda.memory_allocated() if _cuda() else 0
+    trainer.release(engine)
+    moved = sorted(s.value for s in engine.optimizer.offloaded_states)
+    left = torch.cuda.memory_allocated() if _cuda() else 0
+    trainer.restore(engine)
+    changed = [n for n, t in engine.module.state_dict().items() if not torch.equal(t, weights[n])]
+    if changed or engine.optimizer.offloaded_states:
+        raise RuntimeError(f"after restore {len(changed)} weight(s) differ, e.g. {changed[:2]}")
+    if _cuda() and left > held / 4:
+        raise RuntimeError(f"the release left {left / 2**20:.1f} of {held / 2**20:.1f} MiB on the GPU")
+    freed = f"{held / 2**20:.1f} -> {left / 2**20:.1f} MiB on the GPU" if _cuda() else "no GPU memory to see"
+    return f"moved {', '.join(moved)}; {freed}; every weight back unchanged"
+
+
 def check_vllm_sleep() -> str:
     """vLLM puts a model to sleep (level 2) and wakes its weights then its KV cache."""
     if not _cuda():
@@ -142,7 +178,8 @@ def check_vllm_sleep() -> str:
     raise Skip("not written yet: needs a model directory on the machine")
 
 
-CHECKS = [check_backend_map, check_binding, check_handoff, check_bf16_update, check_vllm_sleep]
+CHECKS = [check_backend_map, check_binding, check_handoff, check_bf16_update, check_trainer_release,
+          check_vllm_sleep]
 CLUSTER = [
     "NCCL weight broadcast from trainer 0 to vLLM's workers on another node (a resident run, "
     "executor.resident.weight_sync = \"process_group\")",
