@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from hpcrl import commit, data, dynamic_sampling, plan, schemas, scoring, shards
+from hpcrl import commit, data, dynamic_sampling, plan, schemas, scoring, shards, versions
 from hpcrl.config import Experiment
 from hpcrl.config_training import GenerateConfig
 from hpcrl.stage import Stage, StageContext
-from hpcrl.stage_kinds import GENERATE, UPDATE
+from hpcrl.stage_kinds import GENERATE
 
 
 def on_gpu() -> bool:
@@ -189,7 +189,7 @@ def generate(ctx, llm, version: int, pool=None, await_policy: Callable[[], None]
     resident mode's reward workers) when given. `await_policy` returns once the update that made
     the policy is committed (the resident trainer commits it while this samples)."""
     exp, k = ctx.exp, ctx.iteration
-    _check_version(ctx, version, await_policy is None)
+    versions.check_generate(ctx, version, await_policy is None)
     ctx.policy_version = version
     tokenizer = llm.get_tokenizer()
     mine = (lambda requests: shards.take(requests, *ctx.shard)) if ctx.shard else tuple  # hpcrl.shards
@@ -232,10 +232,7 @@ def generate(ctx, llm, version: int, pool=None, await_policy: Callable[[], None]
             tables.append(sample(llm, list(val), 1, 0.0, 1.0, g.max_tokens, ctx.seed, k, version))
     # none only for a shard of the final iteration with no validation prompt of its own
     rollouts = pa.concat_tables(tables) if tables else schemas.ROLLOUTS.empty_table()
-    if version > 0 and await_policy is not None:
-        with ctx.timed("wait"):
-            await_policy()
-        ctx.input_dir(UPDATE, version - 1)
+    versions.await_update(ctx, version, await_policy)
     with ctx.timed("io"):
         ctx.writer.write_table("rollouts", rollouts)
     ctx.writer.metrics.update(rollout_metrics(rollouts, ctx.timings.get("compute", 0.0)))
@@ -247,27 +244,11 @@ def merge_shards(ctx, shards_n: int) -> None:
     with ctx.timed("io"):
         rollouts = shards.merge(ctx.shard_tables("rollouts", shards_n))
         ctx.writer.write_table("rollouts", rollouts)
-    versions = {m["policy_version"] for m in ctx.parts}
-    if len(versions) != 1:
-        raise commit.CorruptOutputError(f"the shards of {ctx.run.stage_dir(ctx.iteration, GENERATE)} sampled "
-                                        f"with different policy versions {sorted(versions)}")
-    ctx.policy_version = versions.pop()
+    ctx.policy_version = versions.shards_version(ctx)
     for m in ctx.parts:  # what each shard read (the update that made the policy), as one stage does
         ctx.inputs.update(m["inputs"])
     compute = max(m["timings"].get("compute", 0.0) for m in ctx.parts)  # side by side: the slowest
     ctx.writer.metrics.update(rollout_metrics(rollouts, compute))
-
-
-def _check_version(ctx, version: int, committed: bool) -> None:
-    """The engine must hold the version iteration k samples with (hpcrl.plan.policy_version);
-    `committed`: the update that made it must be committed already."""
-    needed = plan.policy_version(ctx.exp, ctx.iteration)
-    if version != needed:
-        raise RuntimeError(f"generate of iteration {ctx.iteration} needs policy version {needed} "
-                           f"(algorithm.max_staleness = {ctx.exp.algorithm.max_staleness}), the engine "
-                           f"holds {version}")
-    if version > 0 and committed:
-        ctx.input_dir(UPDATE, version - 1)
 
 
 class GenerateStage(Stage):

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import time
 
-from hpcrl import commit, resident_sync, stage_kinds, transports
+from hpcrl import commit, resident_sync, stage_kinds, transports, versions
 from hpcrl.config import Experiment
 from hpcrl.roles import ControlPlane
 from hpcrl.rundir import RunDir
@@ -100,11 +100,8 @@ class Engine:
 
     def _generate(self, cmd: dict) -> dict:
         k, made_by = cmd["iteration"], cmd["await"]
-        if self.gen.version != cmd["version"]:
-            raise RuntimeError(f"engine {self.index} holds policy version {self.gen.version}; the generation "
-                               f"of iteration {k} needs {cmd['version']}")
-        self.gen.await_policy = (lambda: self.plane.wait_signal(f"committed/{made_by}")) \
-            if made_by is not None else None
+        versions.check_engine(self.index, self.gen.version, cmd["version"], k)
+        self.gen.await_policy = versions.awaiting(made_by, lambda u: self.plane.wait_signal(f"committed/{u}"))
         return {"shards": claim_shards(self.plane, self.gen, self.run, k, self.index, cmd["claim"])}
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import time
 
-from hpcrl import plan, resident_engines, resident_sync, stage_kinds, transports, weight_sync
+from hpcrl import plan, resident_engines, resident_sync, stage_kinds, transports, versions, weight_sync
 from hpcrl.config import Experiment
 from hpcrl.roles import ControlPlane
 from hpcrl.rundir import RunDir
@@ -128,16 +128,10 @@ class Generator:
         """The engine holds policy `version` for the next generation: the updates in flight up to
         it finished (their weights loaded, in order), and the generation commits only once the
         update that made it has (`generate`'s await_policy)."""
-        if version <= self.base:  # a resumed run's first generations: saved versions, from disk
-            self._load_saved(version)
-        while self.gen.version < version and self.inflight:
-            self._finish_update()
-        if self.gen.version != version:
-            raise RuntimeError(f"the generation needs policy version {version}; the engine holds "
-                               f"{self.gen.version} and no update in flight makes it")
-        self.made_by = version - 1 if version - 1 in self.uncommitted else None
-        made_by = self.made_by
-        self.gen.await_policy = (lambda: self._await_commit(made_by)) if made_by is not None else None
+        versions.hold(version, self.base, lambda: self.gen.version, self.inflight, self._load_saved,
+                      self._finish_update)
+        self.made_by = versions.made_by(version, self.uncommitted)
+        self.gen.await_policy = versions.awaiting(self.made_by, self._await_commit)
 
     def _await_commit(self, *updates: int) -> None:
         """Until the trainers have committed these updates (the ones this job commanded)."""
