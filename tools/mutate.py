@@ -46,8 +46,11 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name: (modules
     "replay": (("replay",), ("test_replay_verdicts",)),
     "weight_sync": (("weight_sync", "transports", "agreement"), ("test_weight_sync", "test_agreement")),
     "preemption": (("preemption",), ("test_preemption_ranks",)),
+    "critic": (("critic",), ("test_critic",)),
+    "versions": (("versions",), ("test_versions",)),
 }
-DEFAULT = ("algorithms", "dynamic_sampling", "config", "commit", "replay")  # ~10 min on 2 cores
+DEFAULT = ("algorithms", "dynamic_sampling", "config", "commit", "replay", "critic",
+           "versions")  # ~12 min on 2 cores
 KILLED = {1, 3}  # mutmut's exit codes (mutmut.stats.status_by_exit_code)
 SURVIVED = {0}
 TIMEOUT = {36, -24, 24, 152, 255}
