@@ -14,7 +14,8 @@ its weights). The phases:
 - sync: the trainer's weights (gradients and optimizer state released) and vLLM's woken weights.
 
 The bytes per parameter follow DeepSpeed: 16-bit weights with float32 master weights, gradients
-accumulated in float32 and AdamW's two float32 moments; ZeRO-1 partitions the optimizer state over
+accumulated in float32 under ZeRO-1 (its bf16 optimizer) and in the weights' dtype under ZeRO-2/3,
+and AdamW's two float32 moments; ZeRO-1 partitions the optimizer state over
 the ranks, ZeRO-2 the gradients too, ZeRO-3 the weights too; update.offload moves the optimizer
 state (and with "all" the weights) to CPU memory.
 """
@@ -44,7 +45,9 @@ def trainer_bytes(params: int, dtype_bytes: int, stage: int, ranks: int, offload
     """A trainer rank's weights, gradients and optimizer state on the GPU for a model of `params`
     parameters in `dtype_bytes`-byte weights, at ZeRO `stage` (the one DeepSpeed runs,
     hpcrl.trainer.zero_stage) over `ranks` data-parallel ranks, with update.offload `offload`."""
-    grad_bytes = 4 if dtype_bytes < 4 else dtype_bytes  # 16-bit weights accumulate in float32
+    # DeepSpeed's bf16 (ZeRO-1) optimizer accumulates 16-bit weights' gradients in float32; ZeRO-2/3
+    # in the weights' dtype
+    grad_bytes = 4 if dtype_bytes < 4 and stage <= 1 else dtype_bytes
     state_bytes = 8 + (4 if dtype_bytes < 4 else 0)  # AdamW's moments, and the float32 master weights
     weights = 0.0 if offload == "all" else params * dtype_bytes / (ranks if stage == 3 else 1)
     gradients = params * grad_bytes / (ranks if stage >= 2 else 1)

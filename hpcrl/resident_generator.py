@@ -31,6 +31,10 @@ class Generator:
         from hpcrl.scoring import ScoreStage
 
         self.run, self.exp, self.plane = run, exp, plane
+        self.colocated = resident_sync.vllm_sleeps(exp)
+        if self.colocated:  # vLLM starts into the memory the trainers released (hpcrl.colocation)
+            for rank in range(exp.update.world_size):
+                plane.wait_signal(f"released/{rank}")
         self.gen, self.sync = resident_engines.open_engine(exp, run, plane, 0)
         self.score = ScoreStage(exp, run, resident=True)
         self.base = run.latest_saved_version()  # the trainers start from it, and send it (`_start`)
@@ -99,8 +103,15 @@ class Generator:
         (hpcrl.agreement.check_start)."""
         from hpcrl import agreement, generation
 
+        if self.colocated:  # asleep while the trainers restore their state; awake for the sync
+            self.llm.sleep(level=2)
         seq = self.plane.send({"op": "start", "probe": self.probe})
+        if self.colocated:
+            self.plane.wait_signal("sending/start")
+            self.llm.wake_up(tags=["weights"])
         reply, sync_s, others = self._load_weights(seq, self.base)
+        if self.colocated:
+            self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
         self.gen.version = self.base
         tol = weight_sync.probe_tolerance(self.exp.executor.resident.sync_check_tol, self.exp.model.dtype)
@@ -142,16 +153,13 @@ class Generator:
     def _start_update(self, k: int) -> None:
         """Command the update of iteration k; with max_staleness > 0 the next generations run while
         the trainers update (its weights are loaded when a generation needs them: `_hold`)."""
-        if self._colocated():  # free vLLM's GPU memory (weights and KV cache) for the update
+        if self.colocated:  # free vLLM's GPU memory (weights and KV cache) for the update
             self.llm.sleep(level=2)
         seq = self.plane.send({"op": UPDATE, "iteration": k, "probe": self.probe,
                                "checkpoint": resident_sync.checkpoint_due(self.exp, k)})
         self.inflight.append((k, seq))
         self.started.add(k)
         self.uncommitted.add(k)
-
-    def _colocated(self) -> bool:
-        return self.exp.executor.resident.colocate and resident_sync.backend() == "nccl"
 
     def _finish_update(self) -> None:
         """The oldest update in flight: its weights into every engine, then the probe check on each."""
@@ -161,11 +169,10 @@ class Generator:
         # through the update on the control plane: vLLM's weights stay asleep, and its receive is
         # posted only when trainer 0 sends (not under the NCCL watchdog for the whole update)
         self.plane.wait_signal(f"sending/{k}")
-        colocate = self._colocated()
-        if colocate:
+        if self.colocated:
             self.llm.wake_up(tags=["weights"])
         reply, sync_s, others = self._load_weights(seq, k + 1)
-        if colocate:
+        if self.colocated:  # after the reply: trainer 0 has released its weights
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
         self.gen.version = k + 1

@@ -58,6 +58,12 @@ def sync_setup(exp: Experiment, run: RunDir, plane: ControlPlane, me: str) -> tr
                                 lora_targets=list(exp.update.lora.target_modules))
 
 
+def vllm_sleeps(exp: Experiment) -> bool:
+    """Whether vLLM gives its GPU memory to the trainers while they update (colocated on GPUs;
+    vLLM's sleep mode is CUDA's)."""
+    return exp.executor.resident.colocate and backend() == "nccl"
+
+
 def backend() -> str:
     """The weight sync's backend (it moves the trainer's device tensors)."""
     import torch

@@ -435,3 +435,19 @@ def test_offloading_the_parameters_needs_zero_3(write_experiment):
     assert trainer.zero_stage(exp, 1) == 2  # the stage whose optimizer steps on the CPU, even on one rank
     zero = trainer.ds_config(exp, 1, 1)["zero_optimization"]
     assert zero["offload_optimizer"]["device"] == "cpu" and "offload_param" not in zero
+
+
+@pytest.mark.parametrize(("update", "model", "message"), [
+    ({"zero_stage": 2}, {}, r"\(zero_stage = 2 on 1 rank\(s\) in float32\) runs a plain optimizer"),
+    ({"zero_stage": 1, "world_size": 2}, {"dtype": "bfloat16"}, r"runs its bf16 \(ZeRO-1\) optimizer"),
+    ({"zero_stage": 3, "world_size": 2}, {}, r"under ZeRO-3 DeepSpeed moves only its FusedAdam's state"),
+], ids=["stage-0", "bf16-zero1", "zero3-adamw"])
+def test_colocation_whose_trainer_state_cannot_leave_the_gpu_is_refused(write_experiment, update, model,
+                                                                        message):
+    """pins: a colocated job whose update holds its state on the GPU while vLLM wakes (or fails
+    to move it: DeepSpeed's bf16 optimizer has no offload_states)."""
+    colocated = {"mode": "resident", "resident": {"colocate": True}}
+    with pytest.raises(ConfigError, match=r"executor\.resident\.colocate: .*" + message):
+        config.load(write_experiment(update=update, model=model, executor=colocated))
+    for fix in ({"offload": "optimizer"}, {"zero_stage": 2, "world_size": 2}):
+        config.load(write_experiment(update={**update, **fix}, model=model, executor=colocated))

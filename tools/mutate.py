@@ -47,6 +47,7 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name: (modules
     "weight_sync": (("weight_sync", "transports", "agreement"), ("test_weight_sync", "test_agreement")),
     "preemption": (("preemption",), ("test_preemption_ranks",)),
     "critic": (("critic",), ("test_critic",)),
+    "colocation": (("colocation",), ("test_colocation",)),
     "versions": (("versions",), ("test_versions",)),
 }
 DEFAULT = ("algorithms", "dynamic_sampling", "config", "commit", "replay", "critic",
