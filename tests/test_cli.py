@@ -19,6 +19,36 @@ def test_doctor_reports_versions_and_backends():
     assert "sbatch" in out.stdout
 
 
+def test_doctor_shows_the_gpus_this_task_sees():
+    """pins: a task's GPU variables or devices left out of the report, or NCCL's version missing."""
+    from hpcrl.doctor import gpu_lines
+
+    env = {"CUDA_VISIBLE_DEVICES": "2,3", "SLURM_LOCALID": "1", "HOME": "/root"}
+    lines = gpu_lines(env, [("NVIDIA H200", 150 << 30), ("NVIDIA H200", 150 << 30)], "2.21.5")
+    assert lines == ["gpus (this task):", f"  {'CUDA_VISIBLE_DEVICES':<21} 2,3", f"  {'SLURM_LOCALID':<21} 1",
+                     f"  {'cuda:0':<21} NVIDIA H200, 150.0 GiB", f"  {'cuda:1':<21} NVIDIA H200, 150.0 GiB",
+                     f"  {'nccl':<21} 2.21.5"]
+    assert gpu_lines({}, [], None)[-1] == "  no CUDA device visible: every stage runs on cpu"
+
+
+def test_doctor_with_an_experiment_shows_its_placement_and_colocated_memory(write_experiment):
+    """pins: `hpcrl doctor EXPERIMENT` ignoring the experiment, or a colocated layout shown as
+    fitting a GPU it does not fit."""
+    from hpcrl import config
+    from hpcrl.doctor import plan_lines
+
+    colocated = {"mode": "resident", "resident": {"colocate": True, "gpu_memory_gib": 80}}
+    path = write_experiment("doc", update={"offload": "optimizer"}, executor=colocated)
+    out = hpcrl("doctor", str(path))
+    assert out.returncode == 0, out.stderr
+    assert "placement:" in out.stdout
+    assert "colocated on a GPU of 80.0 GiB: every phase fits" in out.stdout
+    exp = config.with_overrides(config.load(path), {"executor.resident.gpu_memory_gib": 0.5}, "test")
+    lines = plan_lines(exp)
+    assert "  colocated on a GPU of 0.5 GiB: does not fit" in lines
+    assert any(line.strip().startswith("executor.resident.colocate: generation:") for line in lines)
+
+
 def test_config_prints_every_section():
     out = hpcrl("config")
     assert out.returncode == 0
