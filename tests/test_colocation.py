@@ -41,8 +41,11 @@ def test_each_phase_that_does_not_fit_is_named():
     small = 30 * GIB  # 14 GB of trainer weights and 14 of vLLM's + contexts: 28.1 GiB, fits; at 26 GiB not
     assert not [p for p in colocation.problems(offloaded, 2 * P, 0.5, small, "x") if p.startswith("sync")]
     assert [p for p in colocation.problems(offloaded, 2 * P, 0.5, 26 * GIB, "x") if p.startswith("sync")]
-    # the critic's engine and the reference model count in the update
-    assert colocation.problems(offloaded, 2 * P, 0.85, gpu, "x", extra=full.weights + offloaded.total)
+    # a critic's engine like the policy's and a reference model: 28 + 28 + 14 GB, 67.2 GiB with contexts
+    others = offloaded.total + offloaded.weights
+    assert colocation.problems(offloaded, 2 * P, 0.85, gpu, "x", extra=others) == []
+    found = colocation.problems(offloaded, 2 * P, 0.85, 64 * GIB, "x", extra=others)
+    assert len(found) == 1 and "and 39.1 GiB of critic and reference" in found[0]
 
 
 def _resident(**resident) -> dict:
