@@ -170,12 +170,41 @@ def check_trainer_release() -> str:
 
 
 def check_vllm_sleep() -> str:
-    """vLLM puts a model to sleep (level 2) and wakes its weights then its KV cache."""
+    """vLLM puts a model to sleep (level 2: weights and KV cache freed), wakes its weights, reloads
+    them (level 2 discarded them, as the colocated sync replaces them) and wakes its KV cache: the
+    device memory the sleep frees, and the same greedy tokens after waking."""
     if not _cuda():
         raise Skip("no GPU here (vLLM's sleep mode is CUDA's)")
     if importlib.util.find_spec("vllm") is None:
         raise Skip("vLLM is not installed here")
-    raise Skip("not written yet: needs a model directory on the machine")
+    import tempfile
+
+    from vllm import LLM, SamplingParams
+
+    utilisation = 0.3
+    with tempfile.TemporaryDirectory() as directory:
+        _tiny_model("cpu").save_pretrained(directory)
+        llm = LLM(directory, enable_sleep_mode=True, gpu_memory_utilization=utilisation,
+                  skip_tokenizer_init=True, enforce_eager=True, max_model_len=64)
+        prompt = [{"prompt_token_ids": [1, 5, 7, 9, 11]}]
+        params = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False)
+        before = list(llm.generate(prompt, params)[0].outputs[0].token_ids)
+        awake = torch.cuda.mem_get_info()[0]
+        llm.sleep(level=2)
+        asleep = torch.cuda.mem_get_info()[0]
+        llm.wake_up(tags=["weights"])
+        llm.collective_rpc("reload_weights")
+        llm.wake_up(tags=["kv_cache"])
+        after = list(llm.generate(prompt, params)[0].outputs[0].token_ids)
+    total = torch.cuda.get_device_properties(0).total_memory
+    freed = asleep - awake
+    if freed < utilisation * total / 2:
+        raise RuntimeError(f"sleep freed {freed / 2**30:.1f} GiB of the {utilisation * total / 2**30:.1f} "
+                           "GiB vLLM took")
+    if after != before:
+        raise RuntimeError(f"greedy tokens after waking {after} differ from before {before}")
+    return (f"sleep freed {freed / 2**30:.1f} GiB of {utilisation * total / 2**30:.1f}; the same "
+            f"{len(after)} greedy tokens after waking and reloading")
 
 
 CHECKS = [check_backend_map, check_binding, check_handoff, check_bf16_update, check_trainer_release,
