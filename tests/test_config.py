@@ -437,17 +437,47 @@ def test_offloading_the_parameters_needs_zero_3(write_experiment):
     assert zero["offload_optimizer"]["device"] == "cpu" and "offload_param" not in zero
 
 
+FIX_STATE = (r"cannot move off the GPU; expected update\.offload = \"optimizer\", or zero_stage = 2 on 2 "
+             r"ranks or more$")
+
+
 @pytest.mark.parametrize(("update", "model", "message"), [
-    ({"zero_stage": 2}, {}, r"\(zero_stage = 2 on 1 rank\(s\) in float32\) runs a plain optimizer"),
-    ({"zero_stage": 1, "world_size": 2}, {"dtype": "bfloat16"}, r"runs its bf16 \(ZeRO-1\) optimizer"),
-    ({"zero_stage": 3, "world_size": 2}, {}, r"under ZeRO-3 DeepSpeed moves only its FusedAdam's state"),
-], ids=["stage-0", "bf16-zero1", "zero3-adamw"])
+    ({"zero_stage": 2}, {},
+     r"the update \(zero_stage = 2 on 1 rank\(s\) in float32\) runs a plain optimizer, whose state DeepSpeed "
+     + FIX_STATE),
+    ({"zero_stage": 2}, {"dtype": "bfloat16"},
+     r"the update \(zero_stage = 2 on 1 rank\(s\) in bfloat16\) runs its bf16 \(ZeRO-1\) optimizer, whose "
+     r"state DeepSpeed " + FIX_STATE),
+    ({"zero_stage": 1, "world_size": 2}, {"dtype": "bfloat16"}, r"the update \(zero_stage = 1 on 2 rank\(s\) "
+     r"in bfloat16\) runs its bf16 \(ZeRO-1\) optimizer"),
+    ({"zero_stage": 3, "world_size": 2}, {},
+     r"under ZeRO-3 DeepSpeed moves only its FusedAdam's state off the GPU, and the update steps torch's "
+     r"AdamW; expected update\.offload = \"optimizer\" or \"all\", or zero_stage = 2$"),
+], ids=["stage-0", "bf16-one-rank", "bf16-zero1", "zero3-adamw"])
 def test_colocation_whose_trainer_state_cannot_leave_the_gpu_is_refused(write_experiment, update, model,
                                                                         message):
     """pins: a colocated job whose update holds its state on the GPU while vLLM wakes (or fails
     to move it: DeepSpeed's bf16 optimizer has no offload_states)."""
     colocated = {"mode": "resident", "resident": {"colocate": True}}
-    with pytest.raises(ConfigError, match=r"executor\.resident\.colocate: .*" + message):
+    with pytest.raises(ConfigError, match=r"executor\.resident\.colocate: " + message):
         config.load(write_experiment(update=update, model=model, executor=colocated))
     for fix in ({"offload": "optimizer"}, {"zero_stage": 2, "world_size": 2}):
         config.load(write_experiment(update={**update, **fix}, model=model, executor=colocated))
+
+
+def test_the_zero_stage_deepspeed_runs():
+    """update.zero_stage as DeepSpeed runs it (hpcrl.config_training.deepspeed_stage), by hand:
+    offload runs ZeRO-2 (or 3); bf16 at least ZeRO-1 (its fp32 master weights), and ZeRO-1 for
+    ZeRO-2 on one rank; float32 ZeRO-1/2 on one rank as 0. pins: any cell of the table."""
+    from hpcrl.config_training import UpdateConfig, deepspeed_stage
+
+    def stage(zero: int, ranks: int, dtype: str, offload: str = "none") -> int:
+        return deepspeed_stage(UpdateConfig(zero_stage=zero, world_size=ranks, offload=offload), dtype, ranks)
+
+    fp32 = [[stage(z, n, "float32") for z in range(4)] for n in (1, 2)]
+    bf16 = [[stage(z, n, "bfloat16") for z in range(4)] for n in (1, 2)]
+    assert fp32 == [[0, 0, 0, 3], [0, 1, 2, 3]]
+    assert bf16 == [[1, 1, 1, 3], [1, 1, 2, 3]]
+    assert [stage(z, 1, "float32", "optimizer") for z in range(4)] == [2, 2, 2, 3]
+    assert [stage(z, 2, "bfloat16", "optimizer") for z in range(4)] == [2, 2, 2, 3]
+    assert stage(3, 1, "float32", "all") == 3
