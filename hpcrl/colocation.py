@@ -86,9 +86,11 @@ def problems(trainer: Trainer, engine_weights: float, utilisation: float, gpu: f
     return out
 
 
-def check(exp, params: int, gpu: float, where: str) -> list[str]:
-    """The problems of the experiment's colocated layout on GPUs of `gpu` bytes, for a policy of
-    `params` parameters (each line names executor.resident.colocate)."""
+def layout_bytes(exp, params: int) -> tuple[Trainer, float, float]:
+    """For a policy of `params` parameters: a trainer rank's bytes, vLLM's weights on one GPU (its
+    tensor-parallel share), and what else the trainer holds in the update (a critic's engine like
+    the policy's; the reference model's weights when a KL term needs them, LoRA's being the policy
+    itself)."""
     from hpcrl.trainer import zero_stage
 
     u = exp.update
@@ -98,7 +100,13 @@ def check(exp, params: int, gpu: float, where: str) -> list[str]:
         trainer = Trainer(trainer.weights, 0.0, 0.0)
     extra = (trainer.total if exp.algorithm.critic is not None else 0.0) + \
         (trainer.weights if exp.algorithm.kl.coef > 0 and not u.lora.rank else 0.0)
-    engine = params * width / exp.generate.tensor_parallel_size
+    return trainer, params * width / exp.generate.tensor_parallel_size, extra
+
+
+def check(exp, params: int, gpu: float, where: str) -> list[str]:
+    """The problems of the experiment's colocated layout on GPUs of `gpu` bytes (each line names
+    executor.resident.colocate)."""
+    trainer, engine, extra = layout_bytes(exp, params)
     return [f"executor.resident.colocate: {line}"
             for line in problems(trainer, engine, exp.generate.gpu_memory_utilization, gpu, where, extra)]
 

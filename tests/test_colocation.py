@@ -23,6 +23,7 @@ def test_a_ranks_bytes_follow_zero_partitions_and_offload():
     assert trainer_bytes(P, 2, 3, 8, "all") == Trainer(0.0, 2 * P / 8, 0.0)
     assert trainer_bytes(P, 2, 2, 1, "optimizer") == Trainer(2 * P, 2 * P, 0.0)
     assert trainer_bytes(P, 4, 0, 1, "none") == Trainer(4 * P, 4 * P, 8 * P)  # float32: no master copy
+    assert trainer_bytes(P, 4, 0, 2, "none") == Trainer(4 * P, 4 * P, 8 * P)  # ZeRO-0 partitions nothing
 
 
 def test_each_phase_that_does_not_fit_is_named():
@@ -46,6 +47,76 @@ def test_each_phase_that_does_not_fit_is_named():
     assert colocation.problems(offloaded, 2 * P, 0.85, gpu, "x", extra=others) == []
     found = colocation.problems(offloaded, 2 * P, 0.85, 64 * GIB, "x", extra=others)
     assert len(found) == 1 and "and 39.1 GiB of critic and reference" in found[0]
+
+
+def test_each_phase_is_named_with_its_bytes_and_a_phase_that_just_fits_passes():
+    """The three messages whole, on a GPU of 10 GiB. pins: a message with a wrong unit or sum, or
+    a phase that exactly fills the GPU refused."""
+    trainer = Trainer(4 * GIB, 2 * GIB, 3 * GIB)
+    found = colocation.problems(trainer, 5 * GIB, 0.95, 10 * GIB, "the GPU", extra=1 * GIB)
+    assert found == [
+        "generation: vLLM takes generate.gpu_memory_utilization = 0.95 of the GPU (9.5 GiB) and the released "
+        "trainer keeps its context (~1 GiB); expected at most 0.90",
+        "training: the trainer's weights, gradients and optimizer state take 9.0 GiB (4.0 + 2.0 + 3.0) and "
+        "1.0 GiB of critic and reference of the GPU (10.0 GiB) before any activation; expected more ranks "
+        "(ZeRO partitions), zero_stage = 3, or update.offload",
+        "sync: the trainer's weights (4.0 GiB) and vLLM's (5.0 GiB) do not fit together in the GPU "
+        "(10.0 GiB); expected zero_stage = 3 or a larger generate.tensor_parallel_size"]
+    exact = Trainer(4 * GIB, 2 * GIB, 2 * GIB)  # 8 GiB + 2 contexts: exactly 10
+    assert colocation.problems(exact, 4 * GIB, 0.9, 10 * GIB, "x") == []
+    short = colocation.problems(exact, 4 * GIB, 0.9, 10 * GIB - 1, "x")
+    assert short[1].startswith("training: the trainer's weights, gradients and optimizer state take 8.0 GiB "
+                               "(4.0 + 2.0 + 2.0) of")
+
+
+@pytest.mark.parametrize(("sections", "expected"), [
+    ({"update": {"offload": "optimizer"}}, (Trainer(4 * P, 4 * P, 0.0), 4 * P, 0.0)),
+    ({"model": {"dtype": "bfloat16"}, "update": {"world_size": 2, "zero_stage": 2},
+      "generate": {"tensor_parallel_size": 2}}, (Trainer(2 * P, P, 6 * P), P, 0.0)),
+    ({"model": {"dtype": "bfloat16"}, "update": {"offload": "optimizer"}, "algorithm": {"kl": {"coef": 0.1}}},
+     (Trainer(2 * P, 2 * P, 0.0), 2 * P, 2 * P)),
+    ({"model": {"dtype": "bfloat16"}, "update": {"offload": "optimizer"},
+      "algorithm": {"name": "ppo", "critic": {}, "kl": {"coef": 0.1}}},
+     (Trainer(2 * P, 2 * P, 0.0), 2 * P, 4 * P + 2 * P)),
+    ({"model": {"dtype": "bfloat16"}, "update": {"offload": "optimizer", "lora": {"rank": 8}},
+      "algorithm": {"kl": {"coef": 0.1}}}, (Trainer(2 * P, 0.0, 0.0), 2 * P, 0.0)),
+], ids=["fp32-offload", "bf16-zero2-tp2", "reference", "ppo-critic", "lora"])
+def test_an_experiments_layout_in_bytes(write_experiment, sections, expected):
+    """hpcrl.colocation.layout_bytes for experiments, by hand (P parameters). pins: the width of
+    the weights, the ZeRO stage DeepSpeed runs, the tensor-parallel share, the critic's engine,
+    the reference model (not for LoRA, whose reference is the policy), LoRA's frozen state."""
+    exp = config.load(write_experiment(executor=_resident(), **sections))
+    assert colocation.layout_bytes(exp, P) == expected
+    trainer, engine, extra = expected
+    gpu = colocation.phases(trainer, engine, 0.5, 1e12, extra)["training"] - 1  # one byte short
+    found = colocation.check(exp, P, gpu, "g")
+    assert [line.split(":")[1].strip() for line in found if "training" in line] == ["training"]
+    assert not [line for line in colocation.check(exp, P, gpu + 1, "g") if "training:" in line]
+
+
+def test_the_job_checks_the_device_it_starts_on(write_experiment, monkeypatch):
+    """At a colocated job's start: the device's memory stands for gpu_memory_gib (a stand-in
+    device here). pins: a device that does not fit let through, or one that fits refused."""
+    import types
+
+    import torch
+
+    from hpcrl import disk_budget
+
+    exp = config.load(write_experiment(update={"offload": "optimizer"}, executor=_resident()))
+    monkeypatch.setattr(disk_budget, "params_of", lambda path: P if path == exp.model.path else None)
+    for gib, fits in ((80, True), (20, False)):
+        devices = {3: types.SimpleNamespace(total_memory=gib * GIB)}  # GPU 3 only
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i, devices=devices: devices[i])
+        if fits:
+            colocation.check_device(exp, 3)
+        else:
+            with pytest.raises(RuntimeError, match=r"the colocated job does not fit:\n  executor\.resident\."
+                                                   r"colocate: training: .* of GPU 3 \(20\.0 GiB\).*\n  "
+                                                   r"executor\.resident\.colocate: sync: "):
+                colocation.check_device(exp, 3)
+    monkeypatch.setattr(disk_budget, "params_of", lambda path: None)  # .bin weights: nothing to count
+    colocation.check_device(exp, 3)
 
 
 def _resident(**resident) -> dict:
