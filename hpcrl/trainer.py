@@ -74,13 +74,16 @@ def release(engine, keep_weights: bool = False) -> None:
     state and gradients, and its weights unless `keep_weights`, moved to CPU memory by DeepSpeed's
     offload_states (ZeRO 1-3; the config refuses stage 0, and ZeRO-3 without update.offload, whose
     torch AdamW state DeepSpeed does not move), and the GPU's cached blocks returned, so that vLLM
-    wakes into the memory. Weights offloaded by update.offload = "all" are in CPU memory already."""
+    wakes into the memory. Weights offloaded by update.offload = "all" are in CPU memory already;
+    frozen weights (LoRA's base), which no ZeRO-1/2 optimizer holds, are moved here."""
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
 
     if engine.zero_offload_param() is None:
         states = [State.optim_states, State.hp_params, State.lp_grads, State.contiguous_grad_buffer]
         engine.offload_states(include=states + ([] if keep_weights else [State.lp_params]),
                               pin_memory=torch.cuda.is_available())
+    if not keep_weights:
+        _move_frozen(engine, "cpu")
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -89,6 +92,15 @@ def restore(engine) -> None:
     """What `release` moved, back on the engine's device."""
     if engine.zero_offload_param() is None:
         engine.reload_states()
+    _move_frozen(engine, engine.device)
+
+
+def _move_frozen(engine, device) -> None:
+    """The frozen weights of a ZeRO-1/2 engine's model to `device` (ZeRO-3 partitions them itself)."""
+    if engine.zero_optimization_stage() < 3:
+        for p in engine.module.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(device)
 
 
 def _frozen(engine) -> bool:

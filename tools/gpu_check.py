@@ -135,7 +135,8 @@ def check_bf16_update() -> str:
 
 def check_trainer_release() -> str:
     """A colocated trainer's release (hpcrl.trainer.release: DeepSpeed's offload_states of a ZeRO-2
-    bf16 engine) frees its device memory, and restore brings every weight back unchanged."""
+    bf16 engine, LoRA's frozen base weights moved by hand) frees its device memory, and restore
+    brings every weight back unchanged."""
     if importlib.util.find_spec("deepspeed") is None:
         raise Skip("DeepSpeed is not installed here")
     import deepspeed
@@ -145,11 +146,16 @@ def check_trainer_release() -> str:
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
-    model = _tiny_model("cuda" if _cuda() else "cpu").to(torch.bfloat16)
+    from hpcrl import lora
+    from hpcrl.config_training import LoraConfig
+
+    base = _tiny_model("cuda" if _cuda() else "cpu").to(torch.bfloat16)
+    model = lora.wrap(base, LoraConfig(rank=4), seed=0)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
               "data_types": {"grad_accum_dtype": "fp32"}, "steps_per_print": 1 << 30}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(trainable, lr=1e-3),
                                       config=config)
     ids = torch.randint(0, 128, (2, 16), device=engine.device)
     engine.backward(engine(input_ids=ids, labels=ids).loss)
