@@ -48,8 +48,7 @@ def _check_sequence_parallel(exp: Experiment, model_cfg: dict | None) -> list[st
         return []
     key, path = "update.sequence_parallel", exp.model.path
     text = model_cfg.get("text_config") or model_cfg
-    heads = text.get("num_attention_heads")
-    kv = text.get("num_key_value_heads") or heads
+    heads, kv, _ = _attention_shape(model_cfg)
     problems = []
     if not heads or heads % n or (kv % n and n % kv):  # kv heads are repeated when fewer than n
         problems.append(f"{key}: {n} ranks must divide the attention heads of {path} ({heads} query, {kv} "
@@ -60,10 +59,10 @@ def _check_sequence_parallel(exp: Experiment, model_cfg: dict | None) -> list[st
     critic = exp.algorithm.critic
     if critic is not None and critic.path:
         _, critic_cfg = model_check.read_config(critic.path, "algorithm.critic.path")
-        if critic_cfg is not None and attention_shape(critic_cfg) != attention_shape(model_cfg):
+        if critic_cfg is not None and _attention_shape(critic_cfg) != _attention_shape(model_cfg):
             problems.append(f"{key}: the critic {critic.path} and the policy {path} must have the same "
                             f"attention heads, which the ranks exchange with one registration (critic: "
-                            f"{attention_shape(critic_cfg)}, policy: {attention_shape(model_cfg)} as "
+                            f"{_attention_shape(critic_cfg)}, policy: {_attention_shape(model_cfg)} as "
                             "(query heads, key/value heads, head size))")
     attention = exp.model.attn_implementation
     if attention == "eager" or (attention == "auto" and text.get("attn_logit_softcapping")):
@@ -73,7 +72,7 @@ def _check_sequence_parallel(exp: Experiment, model_cfg: dict | None) -> list[st
     return problems
 
 
-def attention_shape(model_cfg: dict) -> tuple:
+def _attention_shape(model_cfg: dict) -> tuple:
     """(query heads, key/value heads, head size) of a model's config.json."""
     text = model_cfg.get("text_config") or model_cfg
     heads = text.get("num_attention_heads")
