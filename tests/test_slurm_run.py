@@ -84,15 +84,38 @@ def local_ref(staged_ref):
     return staged_ref
 
 
-def test_run_on_slurm_through_a_controller_job_matches_local(runs_root, tiny_task, local_ref):
+def _wait_for_running(run: RunDir, iteration: int, stage: str, proc=None, timeout: float = 600) -> str:
+    """The job id of `stage` once it is at work (its temporary output exists)."""
+    deadline = time.time() + timeout
+    tmp = commit.temp_dir(run.stage_dir(iteration, stage))
+    while True:
+        assert proc is None or proc.poll() is None, proc.communicate()[0]
+        assert time.time() < deadline, f"{stage} never ran"
+        jobs = [j for j in run.jobs() if j["role"] == stage and j["iteration"] == iteration]
+        if jobs and tmp.exists():
+            return jobs[-1]["job_id"]
+        time.sleep(0.2)
+
+
+def test_a_controller_job_survives_a_requeued_stage_and_commits_what_a_local_run_does(runs_root, tiny_task,
+                                                                                      local_ref):
+    """The controller runs as a Slurm job; the update of iteration 0 is requeued while it works
+    (`scontrol requeue`), runs again, and the run commits what the local run does."""
     path = _write(runs_root, tiny_task, "slurm", executor=SLURM)
     out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "submitted the controller as Slurm job" in out.stdout
     run = RunDir.at(runs_root / "runs" / "slurm")
+    requeued = _wait_for_running(run, 0, "update")
+    time.sleep(1.0)
+    assert not commit.is_committed(run.stage_dir(0, "update"))
+    subprocess.run(["scontrol", "requeue", requeued], check=True)
     _wait_complete(run)
     _same_outputs(run, local_ref)
+    restarts = subprocess.run(["sacct", "-n", "-P", "-D", "-X", "-j", requeued, "-o", "State"],
+                              capture_output=True, text=True).stdout.split()
+    assert "REQUEUED" in restarts, restarts
     jobs = run.jobs()
     stage_jobs = [j for j in jobs if j["role"] != "controller"]
     assert (sorted((j["iteration"], j["role"]) for j in stage_jobs)
@@ -104,6 +127,10 @@ def test_run_on_slurm_through_a_controller_job_matches_local(runs_root, tiny_tas
         assert row["Partition"] == SLURM[j["role"]]["partition"]
         assert int(row["AllocCPUS"]) == SLURM[j["role"]]["cpus_per_task"]
         assert row["JobName"] == f"{j['role']}-{j['iteration']}-slurm"
+    _reported_in_status_and_mlflow(run)
+
+
+def _reported_in_status_and_mlflow(run: RunDir) -> None:
     status = subprocess.run([sys.executable, "-m", "hpcrl.cli", "status", str(run.root)], capture_output=True,
                             text=True)
     assert "Slurm jobs:" in status.stdout and "COMPLETED" in status.stdout
@@ -116,36 +143,6 @@ def test_run_on_slurm_through_a_controller_job_matches_local(runs_root, tiny_tas
         assert {f"slurm/{stage}/elapsed_s", f"slurm/{stage}/queue_wait_s", f"slurm/{stage}/gpu_hours"} <= keys
     tags = dict(con.execute("select key, value from tags where run_uuid=?", (info["mlflow_run_id"],)))
     assert tags["slurm.update.last_nodes"] in ("n1", "n2")
-
-
-def _wait_for_running(run: RunDir, iteration: int, stage: str, proc, timeout: float = 600) -> str:
-    """The job id of `stage` once it is at work (its temporary output exists)."""
-    deadline = time.time() + timeout
-    tmp = commit.temp_dir(run.stage_dir(iteration, stage))
-    while True:
-        assert proc.poll() is None, proc.communicate()[0]
-        assert time.time() < deadline, f"{stage} never ran"
-        jobs = [j for j in run.jobs() if j["role"] == stage and j["iteration"] == iteration]
-        if jobs and tmp.exists():
-            return jobs[-1]["job_id"]
-        time.sleep(0.2)
-
-
-def test_requeued_stage_runs_again_and_the_run_completes_unchanged(runs_root, tiny_task, local_ref):
-    path = _write(runs_root, tiny_task, "requeued", executor=SLURM)
-    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "submit", "--foreground", str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    run = RunDir.at(runs_root / "runs" / "requeued")
-    job_id = _wait_for_running(run, 0, "update", proc)
-    time.sleep(1.0)
-    assert not commit.is_committed(run.stage_dir(0, "update"))
-    subprocess.run(["scontrol", "requeue", job_id], check=True)
-    out, _ = proc.communicate(timeout=1200)
-    assert proc.returncode == 0, out
-    _same_outputs(run, local_ref)
-    restarts = subprocess.run(["sacct", "-n", "-P", "-D", "-X", "-j", job_id, "-o", "State"],
-                              capture_output=True, text=True).stdout.split()
-    assert "REQUEUED" in restarts and restarts[-1] == "COMPLETED"
 
 
 def test_cancelled_stage_is_reported_with_job_id_and_log(runs_root, tiny_task):
