@@ -111,21 +111,6 @@ def _checks(run: RunDir, exp) -> None:
     assert [plan.policy_version(exp, k) for k in range(3)] == [0, 0, 2]
 
 
-def test_a_resident_async_run_commits_what_the_staged_one_does(staged_async, write_experiment):
-    """pins: a resident generator that loads a version before the generation that needs it (or
-    after), mixes versions in one generation, or waits for the update it could overlap."""
-    path = write_experiment("resident", executor=RESIDENT, **ASYNC)
-    out = _submit(path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    exp = config.load(path)
-    run = RunDir.at(exp.run_dir)
-    _checks(staged_async, exp)
-    _checks(run, exp)
-    _same_outputs(staged_async, run, exp)
-    synced = commit.read_manifest(run.stage_dir(2, GENERATE))["metrics"]
-    assert synced["sync/logp_diff"] < 1e-4 < synced["sync/update_shift"]
-
-
 def test_two_engines_and_two_score_tasks_commit_what_one_of_each_does(staged_async, write_experiment):
     """pins (generate.engines, executor.score.tasks, hpcrl.shards): shards that draw other prompts
     or seeds than one engine, a merge out of one engine's order, score parts that overlap, a shard
@@ -234,9 +219,12 @@ def _kill_when_committed(proc: subprocess.Popen, stage_dir, timeout: float = 600
     proc.wait()
 
 
-def test_a_resident_async_run_killed_and_resumed_commits_the_same_outputs(staged_async, write_experiment):
-    """pins: a resume that samples a pending generation with the trainers' (newer) version, or
-    that discards the generation made while the killed update ran."""
+def test_a_resident_async_run_killed_and_resumed_commits_what_the_staged_does(staged_async, write_experiment):
+    """The resident job is killed once generation 1 (version 0, made while update 0 ran) is
+    committed, and resumed. pins: a resident generator that loads a version before the generation
+    that needs it (or after) or mixes versions in one generation; a resume that samples a pending
+    generation with the trainers' (newer) version, or that discards the generation made while the
+    killed update ran."""
     path = write_experiment("killed", executor=RESIDENT, **ASYNC)
     exp = config.load(path)
     run = RunDir.at(exp.run_dir)
@@ -246,5 +234,8 @@ def test_a_resident_async_run_killed_and_resumed_commits_the_same_outputs(staged
     out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "resume", str(run.root)], capture_output=True,
                          text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
+    _checks(staged_async, exp)
     _checks(run, exp)
     _same_outputs(staged_async, run, exp)
+    synced = commit.read_manifest(run.stage_dir(2, GENERATE))["metrics"]
+    assert synced["sync/logp_diff"] < 1e-4 < synced["sync/update_shift"]
