@@ -14,30 +14,18 @@ steps beside the policy's on the same mini-batches. With asynchronous generation
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hpcrl import checkpoint_view, commit, lora, losses, moe, policy_model, sequence_parallel, trainer
-from hpcrl.batches import MicroBatch, Samples, padded, response_outputs, response_values
+from hpcrl.batches import MicroBatch, Samples, response_outputs
 from hpcrl.config import Experiment
 from hpcrl.stage import StageContext
+from hpcrl.step_loss import StepInputs, StepLoss, logprobs_and_entropy
 from hpcrl.weight_sync import Named
 
-STAT_NAMES = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_ref", "entropy", "is_weight_mean")
-OFF_POLICY_NAMES = ("off_policy_weight_mean", "off_policy_clipfrac")  # with the off-policy correction
-
-
-@dataclass
-class StepInputs:
-    """What one optimizer step of the policy trains on, by row of the update batch."""
-
-    adv: torch.Tensor | dict[int, list[float]]  # one advantage per sample, or per token by row (ppo's GAE)
-    old: dict[int, list[float]] | None  # None: the policy has not stepped since sampling (see train_step)
-    ref: dict[int, list[float]] | None  # the reference policy's logprobs (a KL term in the loss)
-    kl_coef: float  # the KL loss weight (0 when the KL is in the reward)
-
+__all__ = ["Actor", "StepInputs"]
 
 class Actor:
     def __init__(self, exp: Experiment, rank: int, world_size: int, policy_path: Path, state_dir: Path | None,
@@ -64,7 +52,9 @@ class Actor:
         self.engine = trainer.make_engine(model, u.lr, exp, world_size, grad_accum, state_dir)
         self.policy_loss = losses.policy_loss(exp.algorithm, exp.generate.max_tokens)
         a = exp.algorithm
-        self.off_policy = a.max_staleness > 0 and a.off_policy_cap > 0 and a.old_logprobs == "recompute"
+        self.off_policy = ((a.off_policy_cap, a.max_log_ratio)
+                           if a.max_staleness > 0 and a.off_policy_cap > 0 and a.old_logprobs == "recompute"
+                           else None)
         self.ref_model = None
         if exp.algorithm.kl.coef > 0 and u.lora.rank:  # the base model: the policy without its adapters
             self.ref_model = lora.WithoutAdapters(self.engine)
@@ -93,6 +83,10 @@ class Actor:
         return model
 
     @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
     def gradient_checkpointing(self) -> bool:
         """Whether the policy recomputes its layers in the backward pass (update.gradient_checkpointing)."""
         return bool(getattr(self.engine.module, "is_gradient_checkpointing", False))
@@ -114,56 +108,41 @@ class Actor:
                    state and commit.verified(state), critic_path and commit.verified(critic_path),
                    run.critic_state_dir(version))
 
-    def train_step(self, samples: Samples, mini: list[int], inputs: StepInputs) -> dict[str, float]:
-        """One optimizer step of the policy on mini-batch `mini`; its statistics (global token means).
+    def data_rows(self, rows: list[int]) -> list[int]:
+        """This rank's share of `rows` for a forward pass (logprobs, values)."""
+        return trainer.rank_rows(rows, self.rank, self.world_size)
 
-        With `inputs.old` None the old logprobs are this forward pass's own (detached), and come
-        back, gathered by row, as stats["old"]. With the off-policy correction (`self.off_policy`)
-        the token losses are weighted by the truncated importance weight of old over sampler."""
+    def logprobs(self, samples: Samples, rows: list[int]) -> dict[int, list[float]]:
+        """The policy's response-token logprobs of this rank's `rows`, gathered from every rank."""
+        self.engine.eval()
+        return trainer.logprobs_of(self.engine, samples, rows, self.exp, self.pad_id, self.engine.device)
+
+    def ref_logprobs(self, samples: Samples, rows: list[int]) -> dict[int, list[float]]:
+        """The reference policy's, likewise."""
+        return trainer.logprobs_of(self.ref_model, samples, rows, self.exp, self.pad_id, self.engine.device)
+
+    def train_step(self, samples: Samples, mini: list[int], inputs: StepInputs) -> dict[str, float]:
+        """One optimizer step of the policy on mini-batch `mini`; its statistics (global token means,
+        hpcrl.step_loss). With `inputs.old` None the old logprobs are this forward pass's own
+        (detached), and come back, gathered by row, as stats["old"]."""
         exp, engine = self.exp, self.engine
-        n_tokens = sum(len(samples.response_ids[i]) for i in mini)
         mbs = trainer.step_micro_batches(samples, mini, self.rank, self.world_size, exp.update, self.pad_id)
         scale = trainer.gradient_scale(engine, exp.update, len(mbs), self.world_size)
-        names = STAT_NAMES + (OFF_POLICY_NAMES if self.off_policy else ())
-        sums = dict.fromkeys(names, 0.0)
-        weight_max, behaviour_max = 0.0, 0.0
-        fresh_old, routed = {}, []
-        tally = self.router
+        step = StepLoss(self.policy_loss, samples, mini, inputs, self.rank, self.off_policy)
+        routed, tally = [], self.router
         for j, mb in enumerate(mbs):
             trainer.mark_boundary(engine, exp.update, j == len(mbs) - 1)
             mb = mb.to(engine.device)
-            logp, token_entropy, entropy_stat = self._forward(mb, tally)
-            if inputs.old is None:
-                mb_old = logp.detach()
-                fresh_old.update(zip(mb.index.tolist(), response_values(mb_old, mb), strict=True))
-            else:
-                mb_old = padded(inputs.old, mb)
-            mb_adv = (padded(inputs.adv, mb) if isinstance(inputs.adv, dict)
-                      else inputs.adv[mb.index].to(logp.device))
-            bw = self._behaviour_weight(samples, mb, mb_old)
-            out = self.policy_loss(logp, mb_old, mb_adv, mb.mask, kl_coef=inputs.kl_coef, n_tokens=n_tokens,
-                                   ref_logp=padded(inputs.ref, mb) if inputs.ref is not None else None,
-                                   n_seqs=len(mini), token_entropy=token_entropy,
-                                   behaviour_weight=bw.weight if bw is not None else None)
-            if not torch.isfinite(out.loss):
-                raise FloatingPointError(f"non-finite loss ({out.loss.item()}) on rank {self.rank}; the "
-                                         "update is not committed and the run stays at the last good "
-                                         "policy version")
-            engine.backward(out.loss * scale + self._router_term(tally, routed))
-            _accumulate(sums, out, entropy_stat, mb.mask, (n_tokens, len(mini)), bw)
-            weight_max = max(weight_max, out.weight_max.item())
-            if bw is not None:
-                behaviour_max = max(behaviour_max, bw.max.item())
+            loss = step(mb, *self._forward(mb, tally))
+            engine.backward(loss * scale + self._router_term(tally, routed))
             grad_norm = trainer.engine_step(engine)
-        n = exp.update.sequence_parallel  # a group's ranks each count its micro-batches
-        stats = dict(zip(names, [v / n for v in trainer.all_sum([sums[k] for k in names])], strict=True))
-        stats.update(grad_norm=grad_norm, lr=engine.get_lr()[0], tokens=n_tokens,
-                     is_weight_max=trainer.all_max(weight_max),
-                     off_policy_weight_max=trainer.all_max(behaviour_max) if self.off_policy else None)
+        # a sequence-parallel group's ranks each count its micro-batches
+        stats = step.stats(trainer.all_sum, trainer.all_max, copies=exp.update.sequence_parallel)
+        stats.update(grad_norm=grad_norm, lr=engine.get_lr()[0])
         if tally is not None:
             stats.update(_router_stats(routed))
         if inputs.old is None:
-            stats["old"] = trainer.all_gather_rows(fresh_old)
+            stats["old"] = trainer.all_gather_rows(step.fresh_old)
         return stats
 
     def _forward(self, mb: MicroBatch, tally) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -175,21 +154,9 @@ class Actor:
         if self.sp_group is not None:
             logp, entropy = sequence_parallel.token_outputs(self.engine, mb, self.sp_group, temperature,
                                                             with_entropy)
-        else:
-            logits = response_outputs(self.engine, mb, tally=tally)
-            logp = losses.token_logprobs(logits, mb.targets, temperature)
-            with torch.set_grad_enabled(with_entropy):
-                entropy = losses.entropy(logits)
-        return logp, entropy if with_entropy else None, entropy.detach()
-
-    def _behaviour_weight(self, samples: Samples, mb: MicroBatch,
-                          old: torch.Tensor) -> losses.BehaviourWeight | None:
-        """With the off-policy correction, a micro-batch's truncated weight pi_old / pi_sampler."""
-        if not self.off_policy:
-            return None
-        a = self.exp.algorithm
-        return losses.behaviour_weight(old, padded(samples.sampler_logprobs, mb), mb.mask, a.off_policy_cap,
-                                       a.max_log_ratio)
+            return logp, entropy if with_entropy else None, entropy.detach()
+        logits = response_outputs(self.engine, mb, tally=tally)
+        return logprobs_and_entropy(logits, mb.targets, temperature, with_entropy)
 
     def _router_term(self, tally: moe.RouterTally | None, routed: list) -> torch.Tensor | float:
         """An MoE micro-batch's load-balancing term of the loss (update.moe_aux_loss_coef x the
@@ -256,25 +223,3 @@ def _router_stats(routed: list[tuple[torch.Tensor, float]]) -> dict:
     totals = trainer.all_sum([*assigned.flatten().tolist(), sum(aux for _, aux in routed), len(routed)])
     stats = moe.load_stats(torch.tensor(totals[:-2]).reshape(shape))
     return {**stats, "moe_aux_loss": totals[-2] / totals[-1]}
-
-
-def _accumulate(sums: dict[str, float], out: losses.PolicyLoss, token_entropy: torch.Tensor,
-                mask: torch.Tensor, totals: tuple[int, int], behaviour: losses.BehaviourWeight | None = None
-                ) -> None:
-    """Add one micro-batch's share of the step's statistics: token means over the mini-batch's
-    `totals` (tokens, sequences), or sequence means for a loss that clips sequences; the
-    off-policy weight's (`behaviour`) are token means."""
-    n_tokens, n_seqs = totals
-    tokens = float(mask.sum())
-    share = tokens / n_tokens if out.level == "token" else float((mask.sum(-1) > 0).sum()) / n_seqs
-    ent = losses.token_sum(token_entropy, mask).item()
-    sums["loss"] += out.loss.item()
-    sums["pg_loss"] += out.pg_loss.item()
-    sums["pg_clipfrac"] += out.clipfrac.item() * share
-    sums["is_weight_mean"] += out.weight_mean.item() * share
-    sums["ppo_kl"] += out.ppo_kl.item() * tokens / n_tokens
-    sums["kl_ref"] += out.kl_ref.item() * tokens / n_tokens
-    sums["entropy"] += ent / n_tokens
-    if behaviour is not None:
-        sums["off_policy_weight_mean"] += behaviour.mean.item() * tokens / n_tokens
-        sums["off_policy_clipfrac"] += behaviour.clipfrac.item() * tokens / n_tokens

@@ -20,6 +20,7 @@ from typing import Annotated, Any
 import tomli_w
 from pydantic import BaseModel, ValidationError, model_validator
 
+from hpcrl import config_megatron
 from hpcrl.config_jobs import SBATCH_OPTION, SBATCH_VALUE, ExecutorConfig, ResidentExecutor, StagedExecutor
 from hpcrl.config_reward import RewardConfig, RewardHttpConfig, RewardModelConfig
 from hpcrl.config_section import ConfigError, PathStr, Rule, Section
@@ -88,6 +89,8 @@ class Experiment(Section):
         if self.generate.engines > 1 and self.algorithm.dynamic_sampling:
             raise Rule("generate.engines", "dynamic sampling draws its rounds over the whole batch in one "
                        "engine; expected engines = 1, or algorithm.dynamic_sampling = false")
+        if self.update.backend == "megatron":
+            config_megatron.check(self)
         if ex.mode == "resident" and ex.resident.colocate:
             self._colocation_rules()
         self._shards_rules()

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from hpcrl.config_megatron import MegatronConfig
 from hpcrl.config_section import PathStr, Rule, Section
 
 
@@ -237,6 +238,11 @@ class LoraConfig(Section):
 
 
 class UpdateConfig(Section):
+    backend: Literal["deepspeed", "megatron"] = Field(
+        "deepspeed", description="What trains the policy: DeepSpeed (ZeRO data parallelism, every feature "
+        "here) or Megatron-Core (tensor and pipeline parallelism, [update.megatron], for models that outgrow "
+        "ZeRO; rows run whole, so share_prompts does not apply). Both compute the same update.")
+    megatron: MegatronConfig = Field(MegatronConfig(), description="The Megatron-Core backend's layout.")
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each iteration's batch.")

@@ -101,9 +101,11 @@ def init(timeout_s: float = 1800) -> tuple[int, int]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
-def shutdown() -> None:
+def shutdown(barrier: bool = True) -> None:
+    """Leave the process group, after every rank has reached this point (`barrier`)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()

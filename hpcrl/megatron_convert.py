@@ -6,8 +6,10 @@ Megatron's layout (megatron-core 0.16.1, the local layer spec, no TransformerEng
   and tensor parallelism splits the rows by query group;
 - `linear_fc1` holds [gate shard; up shard] on each TP rank;
 - `linear_proj` (o_proj) and `linear_fc2` (down_proj) are row parallel: split by input columns;
-- the word embedding and the output layer are split by vocabulary rows; megatron-core does not pad
-  the vocabulary (VocabParallelEmbedding needs it divisible by TP), so an indivisible one is refused;
+- the word embedding and the output layer are split by vocabulary rows, the vocabulary padded with
+  zero rows to a multiple of TP (`padded_vocab`: megatron's VocabParallelEmbedding needs it
+  divisible); the logits of the padding rows are not the model's (hpcrl.megatron_actor drops them)
+  and the way back strips them;
 - a pipeline stage numbers its layers from 0; the embedding lives on the first stage, the final norm
   and the output layer on the last. With tied embeddings and one stage there is no
   `output_layer.weight`; with several stages the last keeps its own copy of the embedding as
@@ -81,10 +83,14 @@ def rope_theta(hf_config) -> float:
     return float(theta)
 
 
+def padded_vocab(hf_config, tensor_parallel: int) -> int:
+    """The vocabulary size of the megatron model: the HF one rounded up to a multiple of TP."""
+    return -(-hf_config.vocab_size // tensor_parallel) * tensor_parallel
+
+
 def _check_layout(shape: _Shape, tp: int, pp: int) -> None:
     """Megatron splits these evenly (it does not pad the vocabulary): refuse what does not divide."""
-    for field, n, parts, over in (("vocab_size", shape.vocab, tp, "tensor-parallel ranks"),
-                                  ("num_key_value_heads", shape.groups, tp, "tensor-parallel ranks"),
+    for field, n, parts, over in (("num_key_value_heads", shape.groups, tp, "tensor-parallel ranks"),
                                   ("num_hidden_layers", shape.layers, pp, "pipeline stages")):
         if n % parts:
             raise ValueError(f"{field}={n} does not split evenly over {parts} {over}")
@@ -119,7 +125,8 @@ def build_model(hf_config, pre_process: bool = True, post_process: bool = True, 
 
     config = transformer_config(hf_config, tensor_parallel, pipeline_parallel, **overrides)
     return GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"),
-                    vocab_size=hf_config.vocab_size, max_sequence_length=hf_config.max_position_embeddings,
+                    vocab_size=padded_vocab(hf_config, tensor_parallel),
+                    max_sequence_length=hf_config.max_position_embeddings,
                     pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
                     position_embedding_type="rope", rotary_base=rope_theta(hf_config))
@@ -163,8 +170,12 @@ def _split(split: str, tensors: list[torch.Tensor], tp: int, shape: _Shape) -> l
     """The TP shards of one megatron tensor, from its HF tensors."""
     if split == "replicate":
         return [tensors[0]] * tp
-    if split in ("rows", "columns"):
-        return list(tensors[0].chunk(tp, dim=0 if split == "rows" else 1))
+    if split == "rows":  # the vocabulary, padded to a multiple of tp
+        rows = tensors[0]
+        extra = -rows.shape[0] % tp
+        return list(torch.cat([rows, rows.new_zeros(extra, *rows.shape[1:])]).chunk(tp, dim=0))
+    if split == "columns":
+        return list(tensors[0].chunk(tp, dim=1))
     if split == "gate_up":
         gate, up = (t.chunk(tp, dim=0) for t in tensors)
         return [torch.cat(pair) for pair in zip(gate, up, strict=True)]
@@ -176,8 +187,10 @@ def _merge(split: str, shards: list[torch.Tensor], shape: _Shape) -> list[torch.
     """The HF tensors of one megatron tensor, from its TP shards (the inverse of _split)."""
     if split == "replicate":
         return [shards[0]]
-    if split in ("rows", "columns"):
-        return [torch.cat(shards, dim=0 if split == "rows" else 1)]
+    if split == "rows":
+        return [torch.cat(shards)[: shape.vocab]]
+    if split == "columns":
+        return [torch.cat(shards, dim=1)]
     if split == "gate_up":
         halves = [s.chunk(2, dim=0) for s in shards]
         return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]

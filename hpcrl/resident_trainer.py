@@ -54,7 +54,7 @@ class Trainer:
         self.commit_error: BaseException | None = None
         self.sync = transports.make(setup) if setup is not None else None
         if self.sync is not None:
-            device = str(self.actor.engine.device) if resident_sync.backend() == "nccl" else "cpu"
+            device = str(self.actor.device) if resident_sync.backend() == "nccl" else "cpu"
             self.sync.open_sender(plane.store, device)
 
     def serve(self) -> None:
@@ -97,8 +97,8 @@ class Trainer:
         if self.sync is not None:  # trainer 0 sends
             self.plane.signal(f"sending/{'start' if k is None else k}")
             reply["handoff"] = self.sync.send(weights).as_dict()
-        elif self.exp.update.zero_stage == 3:
-            collections.deque(weights, maxlen=0)
+        elif self.exp.update.zero_stage == 3 and self.exp.update.backend == "deepspeed":
+            collections.deque(weights, maxlen=0)  # every rank takes part in each layer's gather
         if self.colocated:  # before the reply, after which vLLM's KV cache wakes
             self.actor.release()
         reply["send_s"] = time.perf_counter() - t0

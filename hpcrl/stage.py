@@ -304,8 +304,10 @@ def job_main(name: str, argv: list[str] | None = None) -> None:
     rank, world = distributed.init()
     try:
         run_stage(name, args.run_dir, args.iteration, _job_body(kind, rank, world), rank, world)
-    finally:
-        distributed.shutdown()
+    except BaseException:
+        distributed.shutdown(barrier=False)  # the other ranks may never reach a barrier: do not wait
+        raise
+    distributed.shutdown()
 
 
 def _shard(text: str) -> tuple[int, int]:

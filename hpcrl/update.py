@@ -48,7 +48,8 @@ class UpdateState:
 
 
 class UpdateStage(Stage):
-    """The update stage: the Actor's DeepSpeed engine (and critic), one update per run."""
+    """The update stage: the actor of update.backend (the DeepSpeed engine and critic, or
+    Megatron-Core's model), one update per run."""
 
     name = UPDATE
     actor: Actor | None = None
@@ -57,9 +58,16 @@ class UpdateStage(Stage):
         import deepspeed  # noqa: F401  (its import cost is process start-up, not model loading)
 
     def setup(self, version: int, seed: int = 0) -> None:
-        self.actor = Actor.for_version(self.exp, self.rundir, version, self.rank, self.world_size)
+        if self.exp.update.backend == "megatron":
+            from hpcrl.megatron_actor import MegatronActor
+
+            self.actor = MegatronActor.for_version(self.exp, self.rundir, version, self.rank, self.world_size)
+        else:
+            self.actor = Actor.for_version(self.exp, self.rundir, version, self.rank, self.world_size)
 
     def run(self, ctx: StageContext, guard: preemption.Guard | None = None) -> None:
+        if self.exp.update.backend != "deepspeed":  # its progress is saved as DeepSpeed state
+            guard = None
         Update(self.actor, ctx, guard).run()
 
     def job(self, ctx: StageContext) -> None:
@@ -92,7 +100,7 @@ class Update:
                                                 commit.read_table(scored, "scores"))
         n = len(self.samples)
         trainer.check_batch_shape(exp.update, n, actor.world_size)
-        self.rows = trainer.rank_rows(list(range(n)), actor.rank, actor.world_size)
+        self.rows = actor.data_rows(list(range(n)))
         self.engines = {"trainer": actor.engine, **({"critic": actor.critic.engine} if actor.critic else {})}
         groups = self.samples.group_ids.tolist()
         self.steps = [(epoch, mini) for epoch in range(exp.update.ppo_epochs)
@@ -125,18 +133,14 @@ class Update:
 
     def _start(self) -> UpdateState:
         """The batch's old and reference logprobs and its advantages, before any step."""
-        actor, samples, exp, a = self.actor, self.samples, self.exp, self.exp.algorithm
+        actor, samples, a = self.actor, self.samples, self.exp.algorithm
         n, metrics = len(samples), {}
-        actor.engine.eval()
         if a.old_logprobs == "sampler":
             old = dict(enumerate(samples.sampler_logprobs))
         else:
             first = set(self.steps[0][1]) if self.own_old else set()
-            later = trainer.rank_rows([i for i in range(n) if i not in first], actor.rank, actor.world_size)
-            old = trainer.logprobs_of(actor.engine, samples, later, exp, actor.pad_id, actor.engine.device)
-        ref = (trainer.logprobs_of(actor.ref_model, samples, self.rows, exp, actor.pad_id,
-                                   actor.engine.device)
-               if actor.ref_model is not None else None)
+            old = actor.logprobs(samples, actor.data_rows([i for i in range(n) if i not in first]))
+        ref = actor.ref_logprobs(samples, self.rows) if actor.ref_model is not None else None
         mask = trainer.response_mask([len(r) for r in samples.response_ids])
         kl_tokens, control = None, None
         if ref is not None and not self.own_old:

@@ -1,6 +1,7 @@
 """Bad input is refused before any stage runs, with the file, the key and what was expected."""
 
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -481,3 +482,29 @@ def test_the_zero_stage_deepspeed_runs():
     assert [stage(z, 1, "float32", "optimizer") for z in range(4)] == [2, 2, 2, 3]
     assert [stage(z, 2, "bfloat16", "optimizer") for z in range(4)] == [2, 2, 2, 3]
     assert stage(3, 1, "float32", "all") == 3
+
+
+@pytest.mark.parametrize(("sections", "key", "message"), [
+    ({"update": {"world_size": 3, "megatron": {"tensor_parallel": 2}}}, "update.world_size",
+     "3 ranks do not split into replicas of update.megatron.tensor_parallel x pipeline_parallel = 2 ranks"),
+    ({"model": {"dtype": "bfloat16"}}, "model.dtype", "runs float32 weights for now"),
+    ({"algorithm": {"name": "ppo"}}, "algorithm.name", "\"ppo\" needs a critic"),
+    ({"algorithm": {"kl": {"coef": 0.1}}}, "algorithm.kl.coef", "a reference model is not kept"),
+    ({"update": {"lora": {"rank": 4}}}, "update.lora.rank", "LoRA adapters train on the DeepSpeed"),
+    ({"update": {"world_size": 2, "sequence_parallel": 2, "share_prompts": False}},
+     "update.sequence_parallel", "Ulysses"),
+    ({"update": {"max_tokens_per_micro_batch": 64, "share_prompts": False}},
+     "update.max_tokens_per_micro_batch", "packed micro-batches"),
+    ({"update": {"offload": "optimizer"}}, "update.offload", "DeepSpeed's offload"),
+    ({"executor": {"mode": "resident", "resident": {"colocate": True}}}, "executor.resident.colocate",
+     "moving a Megatron trainer's state off the GPU"),
+])
+def test_the_megatron_backend_refuses_what_it_does_not_run(write_experiment, sections, key, message):
+    """pins (hpcrl.config_megatron): a feature of the DeepSpeed backend silently ignored by the
+    Megatron one (a KL without its reference, a critic never trained, adapters trained whole)."""
+    update = {"backend": "megatron", **sections.get("update", {})}
+    path = write_experiment(**{**sections, "update": update})
+    with pytest.raises(ConfigError, match=re.escape(f"{key}: update.backend = \"megatron\": ") + ".*"
+                       + re.escape(message)):
+        config.load(path)
+    assert config.load(write_experiment(update={"backend": "megatron"})).update.megatron.model_parallel == 1

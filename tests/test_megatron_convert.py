@@ -165,9 +165,23 @@ def test_an_unsupported_model_is_refused_naming_the_field(config, message):
         mc.transformer_config(config)
 
 
+def test_a_vocabulary_that_tp_does_not_divide_is_padded_and_stripped():
+    """63 rows over 2 ranks: 32 each, the last a zero row; the way back is exact."""
+    torch.manual_seed(0)
+    config = Qwen2Config(**{**SMALL, "vocab_size": 63, "tie_word_embeddings": False})
+    hf_state = AutoModelForCausalLM.from_config(config).state_dict()
+    shards = _shards(hf_state, config, 2, 2)
+    assert mc.padded_vocab(config, 2) == 64 and mc.padded_vocab(config, 1) == 63
+    for name, pp in (("embedding.word_embeddings.weight", 0), ("output_layer.weight", 1)):
+        first, second = shards[(0, pp)][name], shards[(1, pp)][name]
+        assert first.shape[0] == second.shape[0] == 32 and not second[-1].any()
+    back = mc.to_hf(shards, config, 2, 2)
+    assert all(torch.equal(back[k], hf_state[k]) for k in hf_state)
+
+
 def test_a_layout_that_does_not_divide_is_refused():
-    config = LlamaConfig(**{**SMALL, "vocab_size": 63})
-    with pytest.raises(ValueError, match="vocab_size=63 does not split evenly over 2 tensor-parallel ranks"):
+    config = LlamaConfig(**{**SMALL, "num_key_value_heads": 1})
+    with pytest.raises(ValueError, match="num_key_value_heads=1 does not split evenly over 2"):
         mc.to_megatron({}, config, 0, 2, 0, 1)
     with pytest.raises(ValueError, match="num_hidden_layers=4 does not split evenly over 3 pipeline stages"):
         mc.transformer_config(_config("llama"), pipeline_parallel=3)
