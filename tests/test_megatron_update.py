@@ -3,6 +3,9 @@ stage of the same batch through the local executor, its statistics and its saved
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -30,13 +33,13 @@ def deepspeed_one_rank(tmp_path_factory, tiny_task):
 @pytest.mark.parametrize(("tp", "pp", "world", "distributed"), [(2, 2, 4, False), (2, 1, 4, True)],
                          ids=["tp2-pp2", "tp2-dp2-distopt"])
 def test_a_megatron_update_is_the_deepspeed_update(write_experiment, deepspeed_one_rank, tp, pp, world,
-                                                   distributed):
+                                                   distributed, tmp_path):
     """The same loss, statistics and gradient norm in each of the 2 optimizer steps, and the same
     updated weights, with tensor x pipeline parallelism (the tiny model's 275-token vocabulary
     padded to 276 over two ranks) and with data parallelism and the distributed optimizer. pins: a
     loss scaled by the micro-batches or ranks Megatron averages over, stages that exchange the
     wrong activations, logits of the padding rows in the softmax, a conversion that loads or saves a
-    weight in the wrong place."""
+    weight in the wrong place. The TP x PP update replays byte for byte."""
     run = _run_update(write_experiment, f"mg-{tp}-{pp}", world_size=world, backend="megatron",
                       megatron={"tensor_parallel": tp, "pipeline_parallel": pp,
                                 "distributed_optimizer": distributed})
@@ -58,6 +61,12 @@ def test_a_megatron_update_is_the_deepspeed_update(write_experiment, deepspeed_o
     old = commit.read_table(run.stage_dir(0, "update"), "advantages").column("old_logprobs").to_pylist()
     want = commit.read_table(deepspeed_one_rank.stage_dir(0, "update"), "advantages").column("old_logprobs")
     assert [pytest.approx(o, abs=1e-5) for o in want.to_pylist()] == old
+    if pp > 1:  # a Megatron update replays to the byte (hpcrl replay: the same layout, offline)
+        out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "replay", str(run.root), "--iteration", "0",
+                              "--stage", "update", "--out", str(tmp_path / "replay")],
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "verdict: MATCH: byte-identical" in out.stdout, out.stdout
 
 
 def test_the_demo_learns_on_the_megatron_backend_in_the_resident_mode(tiny_task, tmp_path):
