@@ -33,8 +33,8 @@ def check(exp) -> None:
                    f"into replicas of update.megatron.tensor_parallel x pipeline_parallel = "
                    f"{m.model_parallel} ranks")
     refused = [
-        (exp.model.dtype != "float32", "model.dtype", f"\"{exp.model.dtype}\": the Megatron backend runs "
-         "float32 weights for now; expected \"float32\""),
+        (exp.model.dtype == "float16", "model.dtype", "\"float16\" needs loss scaling, which the Megatron "
+         "backend does not run; expected \"bfloat16\" or \"float32\""),
         (a.critic is not None, "algorithm.name", "\"ppo\" needs a critic, which the Megatron backend does "
          "not train yet; expected a critic-free algorithm (grpo, rloo, ...)"),
         (a.kl.coef > 0, "algorithm.kl.coef", "a reference model is not kept by the Megatron backend yet; "

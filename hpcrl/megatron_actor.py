@@ -75,11 +75,14 @@ class MegatronActor:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.hf_config = AutoConfig.from_pretrained(policy_path)
         self.vocab = self.hf_config.vocab_size
+        dtype = getattr(torch, exp.model.dtype)
         model = megatron_convert.build_model(self.hf_config, self.first, self.last, m.tensor_parallel,
-                                             m.pipeline_parallel)
+                                             m.pipeline_parallel, params_dtype=dtype, pipeline_dtype=dtype,
+                                             bf16=dtype == torch.bfloat16)
         megatron_convert.load(model, megatron_convert.to_megatron(
             hf_state(policy_path), self.hf_config, ps.get_tensor_model_parallel_rank(), m.tensor_parallel,
             ps.get_pipeline_model_parallel_rank(), m.pipeline_parallel))
+        self.gpt = model  # the GPTModel itself, inside the wrappers of _wrap
         self.model, self.optimizer = self._wrap(model)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -100,11 +103,17 @@ class MegatronActor:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         u, m = self.exp.update, self.exp.update.megatron
+        bf16 = model.config.bf16
+        if bf16:  # bf16 weights and activations; the optimizer keeps fp32 master weights
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(model.config, model)
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=m.distributed_optimizer), model)
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=u.lr, min_lr=u.lr, weight_decay=u.weight_decay, adam_beta1=0.9,
-            adam_beta2=0.999, adam_eps=1e-8, clip_grad=u.grad_clip,
+            adam_beta2=0.999, adam_eps=1e-8, clip_grad=u.grad_clip, bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
             use_distributed_optimizer=m.distributed_optimizer), [ddp], config_overrides={})
         model.config.finalize_model_grads_func = finalize_model_grads
         model.config.no_sync_func = ddp.no_sync
@@ -210,7 +219,7 @@ class MegatronActor:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.module.parameters()).device
+        return next(self.gpt.parameters()).device
 
     def release(self, keep_weights: bool = False) -> None:
         raise NotImplementedError("colocation is refused with update.backend = \"megatron\"")
@@ -293,7 +302,7 @@ class MegatronActor:
         from megatron.core import parallel_state as ps
 
         shards = None
-        mine = {k: v.detach().cpu() for k, v in megatron_convert.state(self.model.module).items()}
+        mine = {k: v.detach().cpu() for k, v in megatron_convert.state(self.gpt).items()}
         key = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
         parts = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object((key, mine if self.dp_rank == 0 else None), parts, dst=0)

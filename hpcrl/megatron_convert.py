@@ -96,6 +96,13 @@ def _check_layout(shape: _Shape, tp: int, pp: int) -> None:
             raise ValueError(f"{field}={n} does not split evenly over {parts} {over}")
 
 
+def check(hf_config, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> None:
+    """Raise ValueError, naming the field, for a model or layout this module cannot convert (no
+    Megatron import: the check before any job, hpcrl.preflight)."""
+    _check_layout(_shape(hf_config), tensor_parallel, pipeline_parallel)
+    rope_theta(hf_config)
+
+
 def transformer_config(hf_config, tensor_parallel: int = 1, pipeline_parallel: int = 1, **overrides):
     """Megatron's TransformerConfig for the HF config: fp32, no dropout, no fusions, CPU init."""
     from megatron.core.transformer.transformer_config import TransformerConfig

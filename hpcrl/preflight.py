@@ -80,6 +80,23 @@ def _attention_shape(model_cfg: dict) -> tuple:
     return heads, text.get("num_key_value_heads") or heads, head_dim
 
 
+def _check_megatron(exp: Experiment, model_cfg: dict | None) -> list[str]:
+    """A model the Megatron backend converts, in the layout asked (hpcrl.megatron_convert)."""
+    if exp.update.backend != "megatron" or model_cfg is None:
+        return []
+    from transformers import AutoConfig
+
+    from hpcrl import megatron_convert
+
+    m = exp.update.megatron
+    try:
+        hf_config = AutoConfig.from_pretrained(exp.model.path)
+        megatron_convert.check(hf_config, m.tensor_parallel, m.pipeline_parallel)
+    except ValueError as err:
+        return [f"update.megatron: {exp.model.path}: {err}"]
+    return []
+
+
 def _check_critic(critic: CriticConfig | None) -> list[str]:
     path = critic.path if critic is not None else ""
     if not path:
@@ -303,7 +320,7 @@ def check(exp: Experiment, source: str) -> list[str]:
     data_problems, notes = _check_data(exp, tok)
     problems += (tok_problems + data_problems + _check_algorithm(exp.algorithm)
                  + _check_critic(exp.algorithm.critic) + _check_moe(exp, model_cfg) + _check_rewards(exp)
-                 + _check_sequence_parallel(exp, model_cfg)
+                 + _check_sequence_parallel(exp, model_cfg) + _check_megatron(exp, model_cfg)
                  + _check_batch(exp) + _check_slurm(exp) + _check_memory(exp) + _check_colocation(exp))
     if not problems:  # the disk budget is only worth a look for a run that can start
         disk_problems, disk_notes = disk_budget.check(exp)

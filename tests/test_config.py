@@ -487,7 +487,7 @@ def test_the_zero_stage_deepspeed_runs():
 @pytest.mark.parametrize(("sections", "key", "message"), [
     ({"update": {"world_size": 3, "megatron": {"tensor_parallel": 2}}}, "update.world_size",
      "3 ranks do not split into replicas of update.megatron.tensor_parallel x pipeline_parallel = 2 ranks"),
-    ({"model": {"dtype": "bfloat16"}}, "model.dtype", "runs float32 weights for now"),
+    ({"model": {"dtype": "float16"}}, "model.dtype", "\"float16\" needs loss scaling"),
     ({"algorithm": {"name": "ppo"}}, "algorithm.name", "\"ppo\" needs a critic"),
     ({"algorithm": {"kl": {"coef": 0.1}}}, "algorithm.kl.coef", "a reference model is not kept"),
     ({"update": {"lora": {"rank": 4}}}, "update.lora.rank", "LoRA adapters train on the DeepSpeed"),
@@ -508,3 +508,12 @@ def test_the_megatron_backend_refuses_what_it_does_not_run(write_experiment, sec
                        + re.escape(message)):
         config.load(path)
     assert config.load(write_experiment(update={"backend": "megatron"})).update.megatron.model_parallel == 1
+
+
+def test_a_model_the_megatron_layout_does_not_split_is_refused_before_any_job(write_experiment):
+    """The tiny model's 4 key/value heads over 8 tensor-parallel ranks (hpcrl.megatron_convert.check)."""
+    exp = config.load(write_experiment(update={"backend": "megatron", "world_size": 8,
+                                               "megatron": {"tensor_parallel": 8}}))
+    with pytest.raises(ConfigError, match=r"update\.megatron: .*: num_key_value_heads=4 does not split "
+                                          r"evenly over 8 tensor-parallel ranks"):
+        preflight.check(exp, "e.toml")
