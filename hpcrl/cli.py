@@ -135,6 +135,10 @@ def _dry_run(experiment: Path, sets: tuple[str, ...], check_cluster: bool = Fals
     gpus = placement.describe(exp)
     if gpus is not None:
         click.echo("GPU placement (each task on its own GPUs):\n" + gpus)
+    if exp.update.backend == "megatron":
+        from hpcrl import config_megatron
+
+        click.echo("\n".join(config_megatron.describe(exp)))
     state = (f"the existing run {run.root} is left as it is" if frozen is not None
              else f"no run created at {run.root}")
     click.echo(f"dry run: config, model, tokenizer, data, rewards and batch shape checked; wrote the "

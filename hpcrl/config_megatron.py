@@ -57,3 +57,43 @@ def check(exp) -> None:
     for broken, key, message in refused:
         if broken:
             raise Rule(key, f"update.backend = \"megatron\": {message}")
+
+
+def rank_of(tp: int, dp: int, pp: int, m: MegatronConfig, replicas: int) -> int:
+    """The global rank Megatron gives (tensor rank, data-parallel rank, pipeline stage): its
+    default order "tp-cp-ep-dp-pp", tensor parallel fastest, pipeline stages slowest."""
+    return tp + m.tensor_parallel * (dp + replicas * pp)
+
+
+def describe(exp) -> list[str]:
+    """The update's rank layout for a person (the dry run prints it): each pipeline stage's ranks
+    and the nodes they run on, and a tensor-parallel group split over nodes, which would put
+    every layer's collectives on the network."""
+    u, m = exp.update, exp.update.megatron
+    replicas = u.world_size // m.model_parallel
+    nodes = exp.executor.update.nodes if exp.executor.mode == "staged" and exp.executor.kind == "slurm" else 1
+    per_node = max(1, u.world_size // nodes)
+    lines = [f"update: Megatron-Core, tensor parallel {m.tensor_parallel} x pipeline parallel "
+             f"{m.pipeline_parallel} x {replicas} data-parallel replica(s) = {u.world_size} ranks on "
+             f"{nodes} node(s)"]
+    for pp in range(m.pipeline_parallel):
+        ranks = sorted(rank_of(t, d, pp, m, replicas)
+                       for t in range(m.tensor_parallel) for d in range(replicas))
+        on = sorted({r // per_node for r in ranks})
+        lines.append(f"  pipeline stage {pp}: ranks {_spans(ranks)} on node(s) {_spans(on)}")
+    if m.tensor_parallel > per_node:
+        lines.append(f"  note: a tensor-parallel group of {m.tensor_parallel} ranks spans nodes of "
+                     f"{per_node} ranks: every layer's all-reduce crosses the network")
+    return lines
+
+
+def _spans(values: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    out, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(f"{start}-{v}" if v > start else f"{v}")
+            start = None
+    return ",".join(out)

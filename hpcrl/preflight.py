@@ -91,6 +91,10 @@ def _check_megatron(exp: Experiment, model_cfg: dict | None) -> list[str]:
     m = exp.update.megatron
     try:
         hf_config = AutoConfig.from_pretrained(exp.model.path)
+    except Exception as err:  # noqa: BLE001  (transformers' own validation errors vary by version)
+        return [f"model.path: {exp.model.path}/config.json: transformers cannot read it: "
+                f"{str(err).splitlines()[0]}"]
+    try:
         megatron_convert.check(hf_config, m.tensor_parallel, m.pipeline_parallel)
     except ValueError as err:
         return [f"update.megatron: {exp.model.path}: {err}"]

@@ -120,3 +120,46 @@ def test_ppo_recipe_dry_run(tmp_path, tiny_task, gsm8k_data):
     assert out.returncode == 0, out.stderr
     dry = exp.run_dir.parent / "dry-runs" / exp.run.name
     assert "--gpus-per-node=8" in (dry / "sbatch" / "iter_000000-update.sbatch").read_text()
+
+
+def test_the_72b_megatron_recipe_dry_run_renders_its_ranks_over_four_nodes(tmp_path, tiny_task, gsm8k_data):
+    """Issue #21: TP 8 within each node, PP 4 across the 4 nodes of the update job. The stand-in
+    model claims Qwen2.5-72B's layout (80 layers, 64 query and 8 key/value heads) over the tiny
+    weights, so preflight's layout check (hpcrl.megatron_convert.check) runs on it."""
+    import json
+
+    path = _tree("gsm8k-72b-megatron.toml", tmp_path, tiny_task, gsm8k_data)
+    model = (path.parent / tomllib.loads(path.read_text())["model"]["path"]).resolve()
+    cfg = {k: v for k, v in json.loads((model / "config.json").read_text()).items() if k != "layer_types"}
+    layout = {**cfg, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8}
+    (model / "config.json").write_text(json.dumps(layout))
+    out = _dry_run(path)
+    assert out.returncode == 0, out.stderr
+    assert ("update: Megatron-Core, tensor parallel 8 x pipeline parallel 4 x 1 data-parallel replica(s) "
+            "= 32 ranks on 4 node(s)") in out.stdout
+    for stage in range(4):
+        assert f"pipeline stage {stage}: ranks {8 * stage}-{8 * stage + 7} on node(s) {stage}" in out.stdout
+    assert "spans nodes" not in out.stdout
+    exp = config.load(path)
+    sbatch = tmp_path / "runs" / "dry-runs" / exp.run.name / "sbatch"
+    assert {"--nodes=4", "--gpus-per-node=8", "--ntasks-per-node=8"} <= _directives(
+        sbatch / "iter_000000-update.sbatch")
+    assert {"--nodes=1", "--gpus-per-node=8"} <= _directives(sbatch / "iter_000000-generate.sbatch")
+    (model / "config.json").write_text(json.dumps({**layout, "num_hidden_layers": 78}))  # not over 4 stages
+    refused = _dry_run(path)
+    assert refused.returncode != 0 and "num_hidden_layers=78 does not split evenly over 4" in refused.stderr
+
+
+def test_the_megatron_rank_layout_follows_megatrons_order():
+    """Tensor-parallel rank fastest, then the data-parallel replica, then the pipeline stage; a
+    tensor-parallel group wider than a node is pointed out."""
+    from hpcrl import config_megatron
+
+    exp = config.load(REPO / "configs" / "gsm8k-72b-megatron.toml")
+    exp.update.world_size = 16
+    exp.update.megatron.tensor_parallel, exp.update.megatron.pipeline_parallel = 2, 2
+    lines = config_megatron.describe(exp)  # 2 x 2 x 4 replicas over 4 nodes of 4 ranks
+    assert lines[1:] == ["  pipeline stage 0: ranks 0-7 on node(s) 0-1",
+                         "  pipeline stage 1: ranks 8-15 on node(s) 2-3"]
+    exp.update.megatron.tensor_parallel, exp.update.megatron.pipeline_parallel = 8, 2
+    assert "spans nodes of 4 ranks" in config_megatron.describe(exp)[-1]
