@@ -178,6 +178,20 @@ class Actor:
             if self.critic is not None:
                 self.critic.save(ctx.writer.dir / "critic", ctx.writer.dir / "trainer" / "critic")
 
+    def save_progress(self, directory: Path) -> None:
+        """An interrupted update's state (hpcrl.preemption): each engine's DeepSpeed state."""
+        for name, engine in self._engines().items():
+            trainer.save_state(engine, directory / name)
+
+    def load_progress(self, directory: Path) -> None:
+        """Restore what `save_progress` wrote."""
+        for name, engine in self._engines().items():
+            if trainer.load_state(engine, directory / name) is None:
+                raise RuntimeError(f"{directory}: progress without the DeepSpeed state of the {name}")
+
+    def _engines(self) -> dict:
+        return {"trainer": self.engine, **({"critic": self.critic.engine} if self.critic else {})}
+
     def checkpoint_weights(self, form: str = "merged") -> Iterator[Named]:
         """The policy's weights as its checkpoint holds them (hpcrl.checkpoint_view), layer by layer,
         with LoRA adapters in `form`. Under ZeRO-3 each layer is gathered in turn (every rank reads

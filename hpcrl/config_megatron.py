@@ -54,6 +54,12 @@ def check(exp) -> None:
         (exp.executor.mode == "resident" and exp.executor.resident.colocate, "executor.resident.colocate",
          "moving a Megatron trainer's state off the GPU for vLLM is not built yet; expected false"),
     ]
+    rows = a.prompts_per_iteration * a.group_size // (u.world_size // m.model_parallel)  # per replica
+    step = rows // u.mini_batches
+    if m.pipeline_parallel > 1 and any(n % min(u.micro_batch_size, n) for n in (rows, step)):
+        raise Rule("update.micro_batch_size", f"update.backend = \"megatron\": the pipeline's micro-batches "
+                   f"must all have one size; expected a divisor of each replica's {rows} rows and of its "
+                   f"{step} rows per optimizer step (got {u.micro_batch_size})")
     for broken, key, message in refused:
         if broken:
             raise Rule(key, f"update.backend = \"megatron\": {message}")

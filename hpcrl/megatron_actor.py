@@ -210,12 +210,22 @@ class MegatronActor:
 
     def checkpoint_weights(self, form: str = "merged") -> Iterator[Named]:
         """The policy's weights under the names its Hugging Face checkpoint keeps (a tied lm_head
-        once, as the embedding), gathered from every rank (a collective, done by the call) and
-        streamed by rank 0; other ranks stream nothing. `form` is the LoRA choice (no adapters here)."""
-        state = self.hf_weights()
-        if state is not None and self.hf_config.tie_word_embeddings:
-            del state["lm_head.weight"]
-        return iter((state or {}).items())
+        once, as the embedding), one decoder layer at a time (hpcrl.megatron_convert.chunks): the
+        tensor-parallel ranks of the stage holding it send their shards to rank 0, which merges
+        and yields them. Every rank must read the stream to its end (a gather per layer); only
+        rank 0's yields anything. `form` is the LoRA choice (no adapters on this backend)."""
+        m = self.exp.update.megatron
+        state = megatron_convert.state(self.gpt)
+        for pp, entries in megatron_convert.chunks(self.hf_config, m.pipeline_parallel):
+            mine = ({mg: state[mg].detach().cpu() for mg, _, _ in entries}
+                    if pp == self.pp_rank and self.dp_rank == 0 else None)
+            parts = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object((self.tp_rank, mine), parts, dst=0)
+            if self.rank == 0:
+                shards = dict(part for part in parts if part[1] is not None)
+                merged = megatron_convert.merge_chunk(entries, [shards[t] for t in range(m.tensor_parallel)],
+                                                      self.hf_config)
+                yield from merged.items()
 
     @property
     def device(self) -> torch.device:
@@ -238,7 +248,7 @@ class MegatronActor:
         width = max(mb.input_ids.shape[1] for mb in mbs)
         mbs = [pad_width(mb, width, self.pad_id) for mb in mbs]
         sizes = {len(mb.index) for mb in mbs}
-        if len(sizes) > 1:
+        if len(sizes) > 1 and self.exp.update.megatron.pipeline_parallel > 1:  # (config_megatron.check)
             raise ValueError(f"update: micro-batches of {sorted(sizes)} rows; the pipeline needs one size "
                              "(update.micro_batch_size must divide each rank's rows of a mini-batch)")
 
@@ -250,7 +260,7 @@ class MegatronActor:
 
         get_forward_backward_func()(forward_step_func=forward, data_iterator=iter(mbs), model=[self.model],
                                     num_microbatches=len(mbs), seq_length=width,
-                                    micro_batch_size=sizes.pop(), forward_only=forward_only)
+                                    micro_batch_size=max(sizes), forward_only=forward_only)
 
     def _loss_of_logits(self, loss, mb: MicroBatch, logits: torch.Tensor):
         from megatron.core import tensor_parallel
@@ -298,19 +308,14 @@ class MegatronActor:
     # the weights ---------------------------------------------------------------------------------
 
     def hf_weights(self) -> dict[str, torch.Tensor] | None:
-        """The policy's Hugging Face state dict, gathered from every rank (a collective), on rank 0."""
-        from megatron.core import parallel_state as ps
-
-        shards = None
-        mine = {k: v.detach().cpu() for k, v in megatron_convert.state(self.gpt).items()}
-        key = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
-        parts = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object((key, mine if self.dp_rank == 0 else None), parts, dst=0)
-        if self.rank == 0:
-            shards = {k: v for k, v in parts if v is not None}
-            m = self.exp.update.megatron
-            return megatron_convert.to_hf(shards, self.hf_config, m.tensor_parallel, m.pipeline_parallel)
-        return shards
+        """The policy's Hugging Face state dict (a tied lm_head the embedding itself, as HF's
+        state_dict shows it), gathered layer by layer from every rank (a collective), on rank 0."""
+        state = dict(self.checkpoint_weights())
+        if self.rank != 0:
+            return None
+        if self.hf_config.tie_word_embeddings:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        return state
 
     def save(self, ctx) -> None:
         """The new policy version (HF format) and the optimizer state, into the stage output."""
@@ -330,26 +335,39 @@ class MegatronActor:
             AutoTokenizer.from_pretrained(self.exp.tokenizer_path).save_pretrained(out)
         dist.barrier()
 
-    def _state_files(self, directory: Path) -> tuple[Path, Path]:
+    def _state_files(self, directory: Path) -> tuple[Path, Path, Path]:
         d = directory / "megatron"
         return (d / f"optimizer-rank{self.rank:05d}.pt",
-                d / f"parameters-tp{self.tp_rank:03d}-pp{self.pp_rank:03d}.pt")
+                d / f"parameters-tp{self.tp_rank:03d}-pp{self.pp_rank:03d}.pt",
+                d / f"weights-rank{self.rank:05d}.pt")
 
-    def save_state(self, directory: Path) -> None:
+    def save_state(self, directory: Path, weights: bool = False) -> None:
         """Each rank's optimizer state (the distributed optimizer's parameter state too, gathered
-        over the data-parallel ranks); a policy's next update loads it (for_version)."""
-        optimizer, parameters = self._state_files(directory)
+        over the data-parallel ranks), and with `weights` its shard of the model; a policy's next
+        update loads it (for_version), weights from the policy version itself."""
+        optimizer, parameters, shard = self._state_files(directory)
         optimizer.parent.mkdir(parents=True, exist_ok=True)
         torch.save(self.optimizer.state_dict(), optimizer)
         if self.exp.update.megatron.distributed_optimizer:
             self.optimizer.save_parameter_state(str(parameters))
+        if weights:
+            torch.save(megatron_convert.state(self.gpt), shard)
         dist.barrier()
 
-    def _load_state(self, directory: Path) -> None:
-        optimizer, parameters = self._state_files(directory)
+    def _load_state(self, directory: Path, weights: bool = False) -> None:
+        optimizer, parameters, shard = self._state_files(directory)
         if not optimizer.is_file():
             raise RuntimeError(f"{directory}: no Megatron optimizer state of rank {self.rank} "
                                f"({optimizer.name}); was it saved by another backend or layout?")
+        if weights:
+            megatron_convert.load(self.gpt, torch.load(shard, weights_only=True))
         self.optimizer.load_state_dict(torch.load(optimizer, weights_only=False))
         if self.exp.update.megatron.distributed_optimizer:
             self.optimizer.load_parameter_state(str(parameters))
+
+    def save_progress(self, directory: Path) -> None:
+        """An interrupted update's state (hpcrl.preemption): the optimizer's and the weights."""
+        self.save_state(directory, weights=True)
+
+    def load_progress(self, directory: Path) -> None:
+        self._load_state(directory, weights=True)

@@ -255,6 +255,33 @@ def to_hf(shards: dict[tuple[int, int], dict[str, torch.Tensor]], hf_config, tp_
     return out
 
 
+def chunks(hf_config, pp_size: int) -> list[tuple[int, list[tuple[str, tuple[str, ...], str]]]]:
+    """The checkpoint's tensors in the model's order, one decoder layer (or one other tensor) at a
+    time: (the pipeline stage that holds it, its (megatron name, HF names, split) entries). A tied
+    output layer is left out: the checkpoint holds the embedding once."""
+    from hpcrl.checkpoint_view import layer_of
+
+    shape = _shape(hf_config)
+    out = []
+    for pp in range(pp_size):
+        groups: dict[str, list] = {}
+        for mg, names, split in _stage_entries(shape, pp, pp_size):
+            if not (shape.tied and mg == "output_layer.weight"):
+                groups.setdefault(layer_of(names[0]), []).append((mg, names, split))
+        out += [(pp, entries) for entries in groups.values()]
+    return out
+
+
+def merge_chunk(entries: list[tuple[str, tuple[str, ...], str]], shards: list[dict[str, torch.Tensor]],
+                hf_config) -> dict[str, torch.Tensor]:
+    """One chunk's HF tensors from its tensor-parallel shards (`shards[tp]`, megatron names)."""
+    shape = _shape(hf_config)
+    out = {}
+    for mg, names, split in entries:
+        out.update(zip(names, _merge(split, [s[mg] for s in shards], shape), strict=True))
+    return out
+
+
 def load(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load to_megatron's state dict into a GPTModel: strict, but for megatron's `_extra_state` keys."""
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -4,10 +4,10 @@ Slurm signals a job (USR2, `--signal` set by submitit) some time before its time
 it is preempted. submitit's own handler would requeue at once, losing the update's work so far.
 During an update stage, `Guard` takes the signal instead: it only records it. Between optimizer
 steps the update asks `guard.should_stop()` (all ranks agree, so they stop at the same step),
-saves its DeepSpeed state and progress into the stage's partial directory, and hands the signal
-back to submitit, which requeues the job. The requeued update loads the partial state and goes on
-from the next step, with the same result as an uninterrupted one. The partial directory is not a
-committed output: the stage commit removes it.
+saves the trainer's state (DeepSpeed's or Megatron's) and its progress into the stage's partial
+directory, and hands the signal back to submitit, which requeues the job. The requeued update
+loads the partial state and goes on from the next step, with the same result as an uninterrupted
+one. The partial directory is not a committed output: the stage commit removes it.
 """
 
 from __future__ import annotations
@@ -72,11 +72,9 @@ class Guard:
         raise SystemExit(0 if int(os.environ.get("SLURM_PROCID") or 0) else -1)
 
 
-def save_progress(engines: dict, stage_dir: Path, rank: int, progress: object) -> Path:
-    """The DeepSpeed state of each engine (every rank) and the progress record (rank 0: an
-    hpcrl.update.UpdateState) into the partial directory."""
-    from hpcrl import trainer
-
+def save_progress(actor, stage_dir: Path, rank: int, progress: object) -> Path:
+    """The trainer's state (every rank: `actor.save_progress`, its engines' or Megatron's) and the
+    progress record (rank 0: an hpcrl.update.UpdateState) into the partial directory."""
     final = partial_dir(stage_dir)
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
@@ -84,8 +82,7 @@ def save_progress(engines: dict, stage_dir: Path, rank: int, progress: object) -
         tmp.mkdir(parents=True)
     if dist.is_initialized():
         dist.barrier()
-    for name, engine in engines.items():
-        trainer.save_state(engine, tmp / name)
+    actor.save_progress(tmp)
     if rank == 0:
         torch.save(progress, tmp / PROGRESS)
         shutil.rmtree(final, ignore_errors=True)
@@ -95,17 +92,14 @@ def save_progress(engines: dict, stage_dir: Path, rank: int, progress: object) -
     return final
 
 
-def load_progress(engines: dict, stage_dir: Path, types: tuple[type, ...]) -> object | None:
-    """The saved progress of an interrupted update (the engines' state restored), or None.
+def load_progress(actor, stage_dir: Path, types: tuple[type, ...]) -> object | None:
+    """The saved progress of an interrupted update (the trainer's state restored:
+    `actor.load_progress`), or None.
 
     Only tensors, containers and the record classes `types` unpickle (torch's weights_only load)."""
-    from hpcrl import trainer
-
     d = partial_dir(stage_dir)
     if not (d / PROGRESS).is_file():
         return None
-    for name, engine in engines.items():
-        if trainer.load_state(engine, d / name) is None:
-            raise RuntimeError(f"{d}: progress without the DeepSpeed state of the {name}")
+    actor.load_progress(d)
     with torch.serialization.safe_globals(list(types)):
         return torch.load(d / PROGRESS, weights_only=True)

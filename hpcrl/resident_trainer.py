@@ -97,7 +97,7 @@ class Trainer:
         if self.sync is not None:  # trainer 0 sends
             self.plane.signal(f"sending/{'start' if k is None else k}")
             reply["handoff"] = self.sync.send(weights).as_dict()
-        elif self.exp.update.zero_stage == 3 and self.exp.update.backend == "deepspeed":
+        elif self.exp.update.zero_stage == 3 or self.exp.update.backend == "megatron":
             collections.deque(weights, maxlen=0)  # every rank takes part in each layer's gather
         if self.colocated:  # before the reply, after which vLLM's KV cache wakes
             self.actor.release()

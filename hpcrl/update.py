@@ -66,8 +66,6 @@ class UpdateStage(Stage):
             self.actor = Actor.for_version(self.exp, self.rundir, version, self.rank, self.world_size)
 
     def run(self, ctx: StageContext, guard: preemption.Guard | None = None) -> None:
-        if self.exp.update.backend != "deepspeed":  # its progress is saved as DeepSpeed state
-            guard = None
         Update(self.actor, ctx, guard).run()
 
     def job(self, ctx: StageContext) -> None:
@@ -198,7 +196,7 @@ class Update:
         """Save the progress (every rank: its engines' state) and let Slurm requeue the job."""
         state.rng = torch.get_rng_state()
         out_dir = self.ctx.run.stage_dir(self.ctx.iteration, UPDATE)
-        where = preemption.save_progress(self.engines, out_dir, self.actor.rank, state)
+        where = preemption.save_progress(self.actor, out_dir, self.actor.rank, state)
         self._say(f"saved progress ({state.step}/{len(self.steps)} steps) in {where}")
         self.guard.hand_over()
 
@@ -207,7 +205,7 @@ class Update:
         if self.guard is None:
             return None
         out_dir = self.ctx.run.stage_dir(self.ctx.iteration, UPDATE)
-        state = preemption.load_progress(self.engines, out_dir, (UpdateState, KLControl))
+        state = preemption.load_progress(self.actor, out_dir, (UpdateState, KLControl))
         if state is None:
             return None
         if state.rng is not None:

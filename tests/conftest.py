@@ -108,3 +108,19 @@ def task_pid(logs: Path, task: int, timeout: float = 300) -> int:
                 return int(proc.name)
         time.sleep(0.5)
     raise AssertionError(f"no task {task} of a submitit job under {logs}")
+
+
+@pytest.fixture
+def own_engine():
+    """vLLM's distributed state torn down before and after a test that starts an engine in the test
+    process: every engine sets up its own groups (an MoE model needs an expert-parallel group that
+    an engine of a dense model never made), and no test after it finds a process group left behind."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
+    yield
+    gc.collect()
+    cleanup_dist_env_and_memory()

@@ -488,6 +488,8 @@ def test_the_zero_stage_deepspeed_runs():
     ({"update": {"world_size": 3, "megatron": {"tensor_parallel": 2}}}, "update.world_size",
      "3 ranks do not split into replicas of update.megatron.tensor_parallel x pipeline_parallel = 2 ranks"),
     ({"model": {"dtype": "float16"}}, "model.dtype", "\"float16\" needs loss scaling"),
+    ({"update": {"world_size": 2, "megatron": {"pipeline_parallel": 2}, "micro_batch_size": 12}},
+     "update.micro_batch_size", "expected a divisor of each replica's 32 rows and of its 16 rows"),
     ({"algorithm": {"name": "ppo"}}, "algorithm.name", "\"ppo\" needs a critic"),
     ({"algorithm": {"kl": {"coef": 0.1}}}, "algorithm.kl.coef", "a reference model is not kept"),
     ({"update": {"lora": {"rank": 4}}}, "update.lora.rank", "LoRA adapters train on the DeepSpeed"),

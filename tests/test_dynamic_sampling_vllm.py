@@ -11,7 +11,7 @@ from hpcrl.stage import run_stage
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_dynamic_sampling_adds_rounds_and_the_update_trains_on_the_kept_groups(write_experiment):
+def test_dynamic_sampling_adds_rounds_and_the_update_trains_on_the_kept_groups(write_experiment, own_engine):
     from hpcrl.generation import GenerateStage
 
     # Groups of 2 at policy v0 are often both right or both wrong (exact match near 0.4), so

@@ -83,22 +83,6 @@ def _probe(model, sequences: list[list[int]]) -> list[list[float]]:
                                       1.0)[0].tolist() for s in sequences]
 
 
-@pytest.fixture
-def own_engine():
-    """vLLM's distributed state torn down before and after each test's engine: every engine sets up
-    its own groups (an MoE model needs an expert-parallel group that an engine of a dense model,
-    this file's or an earlier test file's, never made)."""
-    import gc
-
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    gc.collect()
-    cleanup_dist_env_and_memory()
-    yield
-    gc.collect()
-    cleanup_dist_env_and_memory()
-
-
 PROBE = [[1, 5, 9, 13, 20, 7, 3, 11, 4, 6], [2, 8, 4, 16, 30, 12, 3]]
 
 

@@ -185,3 +185,22 @@ def test_a_layout_that_does_not_divide_is_refused():
         mc.to_megatron({}, config, 0, 2, 0, 1)
     with pytest.raises(ValueError, match="num_hidden_layers=4 does not split evenly over 3 pipeline stages"):
         mc.transformer_config(_config("llama"), pipeline_parallel=3)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama_tied"])
+def test_the_sync_s_chunks_are_the_checkpoint_layer_by_layer(name):
+    """chunks + merge_chunk (what the resident sync and the saved policy stream): every HF tensor
+    once, a tied lm_head left out, each decoder layer in one chunk, in the model's order."""
+    model = _model(name)
+    hf_state = model.state_dict()
+    tp, pp = 2, 2
+    shards = _shards(hf_state, model.config, tp, pp)
+    streamed, layers = {}, []
+    for stage, entries in mc.chunks(model.config, pp):
+        merged = mc.merge_chunk(entries, [shards[(t, stage)] for t in range(tp)], model.config)
+        assert not set(merged) & set(streamed)
+        streamed.update(merged)
+        layers.append({k.split(".")[2] for k in merged if k.startswith("model.layers.")})
+    want = {k for k in hf_state if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+    assert streamed.keys() == want and all(torch.equal(streamed[k], hf_state[k]) for k in want)
+    assert [sorted(x) for x in layers if x] == [[str(i)] for i in range(model.config.num_hidden_layers)]

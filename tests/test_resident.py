@@ -47,7 +47,7 @@ def _vllm_param(worker, name: str) -> torch.Tensor:
 
 
 def test_an_engine_started_empty_takes_the_trainers_weights_and_a_skipped_sync_is_caught(
-        write_experiment, tiny_task, tmp_path):
+        write_experiment, tiny_task, tmp_path, own_engine):
     """A resident engine starts with random weights (nothing read off the run directory) and
     takes the trainer's starting weights, then an update's, over the weight sync: after each it
     computes what an engine loaded from the same weights on disk computes, bit for bit."""
