@@ -144,10 +144,28 @@ def fresh_temp_dir(stage_dir: Path) -> Path:
     return tmp
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_tree(root: Path) -> None:
+    """Every file and directory under `root` on stable storage, so that a manifest that survives a
+    node crash never names data that did not (the OS may write the rename before the files)."""
+    for path in sorted(root.rglob("*")):
+        if path.is_file() or path.is_dir():
+            _fsync(path)
+
+
 def commit(stage_dir: Path, writer: StageWriter, manifest: dict) -> dict:
-    """Write the manifest into the temporary directory and rename it into place."""
+    """Write the manifest into the temporary directory and rename it into place: the data first
+    on stable storage, then the manifest, then the rename, then the directory holding it."""
     if is_committed(stage_dir):
         raise AlreadyCommittedError(f"{stage_dir} is committed; it is never written again")
+    _sync_tree(writer.dir)
     full = {
         "schema_version": schemas.SCHEMA_VERSION,
         **manifest,
@@ -161,14 +179,11 @@ def commit(stage_dir: Path, writer: StageWriter, manifest: dict) -> dict:
         json.dump(full, f, indent=2, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
+    _fsync(writer.dir)  # its entries: every file's name, the manifest's included
     if stage_dir.exists():  # an uncommitted directory (no manifest) does not exist: clear it
         shutil.rmtree(stage_dir)
     os.rename(writer.dir, stage_dir)
-    dir_fd = os.open(stage_dir.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    _fsync(stage_dir.parent)
     return full
 
 

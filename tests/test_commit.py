@@ -486,3 +486,39 @@ def test_a_manifest_is_read_as_utf8_whatever_the_jobs_locale(tmp_path):
         assert commit.read_json_object(path) == {"name": "Zürich-run"}
     finally:
         locale.setlocale(locale.LC_CTYPE, old)
+
+
+def test_the_data_reaches_stable_storage_before_the_manifest_and_the_rename(tmp_path, monkeypatch):
+    """Pins: a commit that fsyncs only its manifest. After a node crash the renamed directory and
+    its manifest could then survive while the tables it lists did not (empty or partial files): a
+    committed output that is lost. Every file and folder is synced before the manifest is written,
+    the folder's entries before the rename, and the parent's entry after it."""
+    d = tmp_path / "iter_000000" / "update"
+    w = commit.StageWriter(commit.fresh_temp_dir(d))
+    w.write_table("scores", _scores())
+    (w.dir / "policy").mkdir()
+    (w.dir / "policy" / "model.safetensors").write_bytes(b"weights")
+    events = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        written = (w.dir / commit.MANIFEST).exists() or commit.is_committed(d)
+        state = "manifest written" if written else "before manifest"
+        events.append(("fsync", os.path.relpath(path, tmp_path), state))
+        return real_fsync(fd)
+
+    def rename(src, dst):
+        events.append(("rename",))
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(commit.os, "fsync", fsync)
+    monkeypatch.setattr(commit.os, "rename", rename)
+    commit.commit(d, w, {"stage": "update"})
+    tmp = "iter_000000/.update.tmp"
+    synced_first = {e[1] for e in events if e[0] == "fsync" and e[2] == "before manifest"}
+    assert synced_first == {f"{tmp}/scores.parquet", f"{tmp}/policy", f"{tmp}/policy/model.safetensors"}
+    after = events[len(synced_first):]
+    assert after == [("fsync", f"{tmp}/{commit.MANIFEST}", "manifest written"),
+                     ("fsync", tmp, "manifest written"), ("rename",),
+                     ("fsync", "iter_000000", "manifest written")]
