@@ -49,6 +49,7 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name: (modules
     "critic": (("critic",), ("test_critic",)),
     "colocation": (("colocation",), ("test_colocation",)),
     "versions": (("versions",), ("test_versions",)),
+    "megatron": (("megatron_convert", "config_megatron"), ("test_megatron_convert", "test_config")),
 }
 DEFAULT = ("algorithms", "dynamic_sampling", "config", "commit", "replay", "critic",
            "versions")  # ~12 min on 2 cores
