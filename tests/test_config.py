@@ -484,32 +484,140 @@ def test_the_zero_stage_deepspeed_runs():
     assert stage(3, 1, "float32", "all") == 3
 
 
+DEEPSPEED_ONLY = "train on the DeepSpeed backend only; expected 0"
+
+
 @pytest.mark.parametrize(("sections", "key", "message"), [
     ({"update": {"world_size": 3, "megatron": {"tensor_parallel": 2}}}, "update.world_size",
      "3 ranks do not split into replicas of update.megatron.tensor_parallel x pipeline_parallel = 2 ranks"),
-    ({"model": {"dtype": "float16"}}, "model.dtype", "\"float16\" needs loss scaling"),
+    ({"model": {"dtype": "float16"}}, "model.dtype", "\"float16\" needs loss scaling, which the Megatron "
+     "backend does not run; expected \"bfloat16\" or \"float32\""),
     ({"update": {"world_size": 2, "megatron": {"pipeline_parallel": 2}, "micro_batch_size": 12}},
-     "update.micro_batch_size", "expected a divisor of each replica's 32 rows and of its 16 rows"),
-    ({"algorithm": {"name": "ppo"}}, "algorithm.name", "\"ppo\" needs a critic"),
-    ({"algorithm": {"kl": {"coef": 0.1}}}, "algorithm.kl.coef", "a reference model is not kept"),
-    ({"update": {"lora": {"rank": 4}}}, "update.lora.rank", "LoRA adapters train on the DeepSpeed"),
+     "update.micro_batch_size", "the pipeline's micro-batches must all have one size; expected a divisor of "
+     "each replica's 32 rows and of its 16 rows per optimizer step (got 12)"),
+    ({"update": {"world_size": 4, "megatron": {"pipeline_parallel": 2}, "micro_batch_size": 6}},
+     "update.micro_batch_size", "the pipeline's micro-batches must all have one size; expected a divisor of "
+     "each replica's 16 rows and of its 8 rows per optimizer step (got 6)"),  # 2 replicas of 16 rows
+    ({"algorithm": {"name": "ppo"}}, "algorithm.name", "\"ppo\" needs a critic, which the Megatron backend "
+     "does not train yet; expected a critic-free algorithm (grpo, rloo, ...)"),
+    ({"algorithm": {"kl": {"coef": 0.1}}}, "algorithm.kl.coef", "a reference model is not kept by the "
+     "Megatron backend yet; expected 0"),
+    ({"update": {"lora": {"rank": 1}}}, "update.lora.rank", "LoRA adapters " + DEEPSPEED_ONLY),
     ({"update": {"world_size": 2, "sequence_parallel": 2, "share_prompts": False}},
-     "update.sequence_parallel", "Ulysses"),
-    ({"update": {"max_tokens_per_micro_batch": 64, "share_prompts": False}},
-     "update.max_tokens_per_micro_batch", "packed micro-batches"),
-    ({"update": {"offload": "optimizer"}}, "update.offload", "DeepSpeed's offload"),
+     "update.sequence_parallel", "Ulysses sequence parallelism is the DeepSpeed backend's; expected 1"),
+    ({"update": {"max_tokens_per_micro_batch": 1, "share_prompts": False}},
+     "update.max_tokens_per_micro_batch", "packed micro-batches are the DeepSpeed backend's; expected 0"),
+    ({"update": {"gradient_checkpointing": True, "share_prompts": False}}, "update.gradient_checkpointing",
+     "not on the Megatron backend yet; expected false"),
+    ({"update": {"offload": "optimizer"}}, "update.offload", "DeepSpeed's offload; expected \"none\" (or "
+     "update.megatron.distributed_optimizer for the optimizer state)"),
+    ({"update": {"moe_aux_loss_coef": 1e-4}}, "update.moe_aux_loss_coef",
+     "mixture-of-experts models " + DEEPSPEED_ONLY),
     ({"executor": {"mode": "resident", "resident": {"colocate": True}}}, "executor.resident.colocate",
-     "moving a Megatron trainer's state off the GPU"),
+     "moving a Megatron trainer's state off the GPU for vLLM is not built yet; expected false"),
 ])
 def test_the_megatron_backend_refuses_what_it_does_not_run(write_experiment, sections, key, message):
     """pins (hpcrl.config_megatron): a feature of the DeepSpeed backend silently ignored by the
-    Megatron one (a KL without its reference, a critic never trained, adapters trained whole)."""
+    Megatron one (a KL without its reference, a critic never trained, adapters trained whole); each
+    at its smallest value that asks for it (LoRA rank 1, a 1-token packing budget)."""
     update = {"backend": "megatron", **sections.get("update", {})}
     path = write_experiment(**{**sections, "update": update})
-    with pytest.raises(ConfigError, match=re.escape(f"{key}: update.backend = \"megatron\": ") + ".*"
-                       + re.escape(message)):
+    with pytest.raises(ConfigError, match=re.escape(f"\n  {key}: update.backend = \"megatron\": {message}")
+                       + "$"):
         config.load(path)
     assert config.load(write_experiment(update={"backend": "megatron"})).update.megatron.model_parallel == 1
+
+
+@pytest.mark.parametrize("update", [
+    {"micro_batch_size": 12},  # one pipeline stage: a last, smaller micro-batch is fine
+    {"world_size": 2, "megatron": {"pipeline_parallel": 2}, "micro_batch_size": 8},
+    {"world_size": 2, "megatron": {"pipeline_parallel": 2}, "micro_batch_size": 16},
+    {"world_size": 2, "megatron": {"pipeline_parallel": 2}, "micro_batch_size": 64},  # a step in one
+    {"world_size": 4, "megatron": {"pipeline_parallel": 2}, "micro_batch_size": 4},
+    {"world_size": 4, "micro_batch_size": 16,
+     "megatron": {"tensor_parallel": 2, "pipeline_parallel": 2, "distributed_optimizer": True}},
+])
+def test_the_megatron_backend_runs_what_it_supports(write_experiment, update):
+    """The micro-batch rule holds only with pipeline stages, and a divisor (or a size over a step's
+    rows: one micro-batch) passes it; the layouts that divide the ranks load."""
+    exp = config.load(write_experiment(update={"backend": "megatron", **update}))
+    assert exp.update.backend == "megatron" and exp.update.micro_batch_size == update["micro_batch_size"]
+
+
+def test_the_megatron_rank_layout_follows_megatrons_order():
+    """config_megatron.describe (the dry run prints it): tensor-parallel rank fastest, then the
+    data-parallel replica, then the pipeline stage (megatron's "tp-cp-ep-dp-pp"); each stage's ranks and
+    nodes as spans; a tensor-parallel group wider than a node is pointed out. The update job's nodes
+    are executor.update.nodes only for staged jobs on Slurm (else one)."""
+    from hpcrl import config_megatron
+    from hpcrl.config_megatron import MegatronConfig, rank_of
+
+    m = MegatronConfig(tensor_parallel=2, pipeline_parallel=3)
+    grid = {(t, d, p): rank_of(t, d, p, m, 2) for t in range(2) for d in range(2) for p in range(3)}
+    assert sorted(grid.values()) == list(range(12))
+    assert [grid[(t, 0, 0)] for t in range(2)] == [0, 1] and grid[(0, 1, 0)] == 2 and grid[(0, 0, 1)] == 4
+    assert grid[(1, 1, 2)] == 11
+
+    exp = config.load(Path(__file__).resolve().parents[1] / "configs" / "gsm8k-72b-megatron.toml")
+    assert (exp.executor.mode, exp.executor.kind, exp.executor.update.nodes) == ("staged", "slurm", 4)
+    exp.update.world_size = 16
+    exp.update.megatron.tensor_parallel, exp.update.megatron.pipeline_parallel = 2, 2
+    assert config_megatron.describe(exp) == [  # 2 x 2 x 4 replicas over 4 nodes of 4 ranks
+        "update: Megatron-Core, tensor parallel 2 x pipeline parallel 2 x 4 data-parallel replica(s) = 16 "
+        "ranks on 4 node(s)",
+        "  pipeline stage 0: ranks 0-7 on node(s) 0-1",
+        "  pipeline stage 1: ranks 8-15 on node(s) 2-3"]
+    exp.update.megatron.tensor_parallel = 4  # a tensor-parallel group of a whole node: no note
+    assert config_megatron.describe(exp)[1:] == [
+        "  pipeline stage 0: ranks 0-7 on node(s) 0-1",
+        "  pipeline stage 1: ranks 8-15 on node(s) 2-3"]
+    exp.update.world_size = 24
+    exp.update.megatron.tensor_parallel, exp.update.megatron.pipeline_parallel = 8, 3
+    assert config_megatron.describe(exp) == [  # 8 x 3 x 1 over 4 nodes of 6 ranks
+        "update: Megatron-Core, tensor parallel 8 x pipeline parallel 3 x 1 data-parallel replica(s) = 24 "
+        "ranks on 4 node(s)",
+        "  pipeline stage 0: ranks 0-7 on node(s) 0-1",
+        "  pipeline stage 1: ranks 8-15 on node(s) 1-2",
+        "  pipeline stage 2: ranks 16-23 on node(s) 2-3",
+        "  note: a tensor-parallel group of 8 ranks spans nodes of 6 ranks: every layer's all-reduce "
+        "crosses the network"]
+    exp.executor.update.nodes = 2
+    exp.update.world_size = 8
+    exp.update.megatron.tensor_parallel, exp.update.megatron.pipeline_parallel = 1, 2
+    assert config_megatron.describe(exp)[1:] == [  # 1 x 2 x 4: stage 0 ranks 0-3 and stage 1 ranks 4-7
+        "  pipeline stage 0: ranks 0-3 on node(s) 0",
+        "  pipeline stage 1: ranks 4-7 on node(s) 1"]
+    exp.executor.update.nodes = 4  # nodes of 2 ranks: a tensor-parallel group of 4 spans two
+    exp.update.megatron.tensor_parallel, exp.update.megatron.pipeline_parallel = 4, 2
+    assert config_megatron.describe(exp)[1:] == [
+        "  pipeline stage 0: ranks 0-3 on node(s) 0-1",
+        "  pipeline stage 1: ranks 4-7 on node(s) 2-3",
+        "  note: a tensor-parallel group of 4 ranks spans nodes of 2 ranks: every layer's all-reduce "
+        "crosses the network"]
+    exp.update.world_size = 2  # fewer ranks than nodes: one a node
+    exp.update.megatron.tensor_parallel, exp.update.megatron.pipeline_parallel = 2, 1
+    assert config_megatron.describe(exp)[1:] == [
+        "  pipeline stage 0: ranks 0-1 on node(s) 0-1",
+        "  note: a tensor-parallel group of 2 ranks spans nodes of 1 ranks: every layer's all-reduce "
+        "crosses the network"]
+    exp.update.world_size = 8
+    exp.update.megatron.tensor_parallel, exp.update.megatron.pipeline_parallel = 4, 2
+    exp.executor.kind = "local"  # one machine, whatever executor.update.nodes says
+    assert config_megatron.describe(exp) == [
+        "update: Megatron-Core, tensor parallel 4 x pipeline parallel 2 x 1 data-parallel replica(s) = 8 "
+        "ranks on 1 node(s)",
+        "  pipeline stage 0: ranks 0-3 on node(s) 0",
+        "  pipeline stage 1: ranks 4-7 on node(s) 0"]
+
+
+@pytest.mark.parametrize(("values", "text"), [
+    ([], ""), ([3], "3"), ([0, 1], "0-1"), ([0, 2], "0,2"), ([0, 1, 2, 5], "0-2,5"),
+    ([1, 3, 4, 5, 7, 9, 10], "1,3-5,7,9-10"),
+])
+def test_rank_spans_print_each_run_of_consecutive_ranks_once(values, text):
+    from hpcrl.config_megatron import _spans
+
+    assert _spans(values) == text
 
 
 def test_a_model_the_megatron_layout_does_not_split_is_refused_before_any_job(write_experiment):

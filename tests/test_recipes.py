@@ -149,17 +149,3 @@ def test_the_72b_megatron_recipe_dry_run_renders_its_ranks_over_four_nodes(tmp_p
     refused = _dry_run(path)
     assert refused.returncode != 0 and "num_hidden_layers=78 does not split evenly over 4" in refused.stderr
 
-
-def test_the_megatron_rank_layout_follows_megatrons_order():
-    """Tensor-parallel rank fastest, then the data-parallel replica, then the pipeline stage; a
-    tensor-parallel group wider than a node is pointed out."""
-    from hpcrl import config_megatron
-
-    exp = config.load(REPO / "configs" / "gsm8k-72b-megatron.toml")
-    exp.update.world_size = 16
-    exp.update.megatron.tensor_parallel, exp.update.megatron.pipeline_parallel = 2, 2
-    lines = config_megatron.describe(exp)  # 2 x 2 x 4 replicas over 4 nodes of 4 ranks
-    assert lines[1:] == ["  pipeline stage 0: ranks 0-7 on node(s) 0-1",
-                         "  pipeline stage 1: ranks 8-15 on node(s) 2-3"]
-    exp.update.megatron.tensor_parallel, exp.update.megatron.pipeline_parallel = 8, 2
-    assert "spans nodes of 4 ranks" in config_megatron.describe(exp)[-1]
