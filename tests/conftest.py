@@ -74,10 +74,8 @@ def write_experiment(tmp_path, tiny_task):
 
 
 @pytest.fixture(scope="session")
-def staged_ref(tmp_path_factory, tiny_task):
-    """A staged run of `experiment_toml`'s experiment on the local executor, complete: the
-    reference the other modes and executors are compared with. Tests only read it (a test that
-    changes a run works on a copy)."""
+def staged_ref_submitted(tmp_path_factory, tiny_task):
+    """`staged_ref`, and what its `hpcrl submit` printed (tests/test_e2e.py checks the iteration lines)."""
     from hpcrl.rundir import RunDir
 
     root = tmp_path_factory.mktemp("staged-ref")
@@ -86,7 +84,16 @@ def staged_ref(tmp_path_factory, tiny_task):
     out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stdout + out.stderr
-    return RunDir.at(root / "runs" / "ref")
+    return RunDir.at(root / "runs" / "ref"), out.stdout
+
+
+@pytest.fixture(scope="session")
+def staged_ref(staged_ref_submitted):
+    """A staged run of `experiment_toml`'s experiment on the local executor, complete: the
+    reference the other modes and executors are compared with, and the run whose output, MLflow
+    record and status tests/test_e2e.py checks. Tests only read it (a test that changes a run works
+    on a copy; test_e2e.py holds its lock for a moment)."""
+    return staged_ref_submitted[0]
 
 
 def task_pid(logs: Path, task: int, timeout: float = 300) -> int:

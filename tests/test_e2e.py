@@ -1,5 +1,6 @@
-"""End to end through `hpcrl submit` and submitit's LocalExecutor: a 2-iteration run, a run killed
-with SIGKILL in the middle of each stage kind and resumed, MLflow, status and the run lock."""
+"""End to end through `hpcrl submit` and submitit's LocalExecutor: a 2-iteration run (conftest's
+`staged_ref`, shared with the other files that compare against it), a run killed with SIGKILL in the
+middle of each stage kind and resumed, MLflow, status and the run lock."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from hpcrl.rundir import RunDir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
+SLOW = ["slow_reward:slow_exact_match"]
 SLOW_REWARD = '''
 import time
 from hpcrl.rewards import exact_match
@@ -41,25 +43,13 @@ def setup(tmp_path_factory, tiny_task):
     root = tmp_path_factory.mktemp("e2e")
     (root / "slow_reward.py").write_text(SLOW_REWARD)
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    paths = {}
-    for name in ("straight", "killed"):
-        paths[name] = root / f"{name}.toml"
-        paths[name].write_text(c.experiment_toml(tiny_task, root / "runs", name,
-                                                 reward={"functions": ["slow_reward:slow_exact_match"]}))
-    return root, env, paths
+    path = root / "killed.toml"  # staged_ref's experiment but for the reward function
+    path.write_text(c.experiment_toml(tiny_task, root / "runs", "killed", reward={"functions": SLOW}))
+    return root, env, path
 
 
-@pytest.fixture(scope="module")
-def straight(setup):
-    root, env, paths = setup
-    proc = hpcrl("submit", str(paths["straight"]), env=env)
-    out, _ = proc.communicate(timeout=1200)
-    assert proc.returncode == 0, out
-    return RunDir.at(root / "runs" / "straight"), out
-
-
-def test_run_completes_with_iteration_lines(straight):
-    run, out = straight
+def test_run_completes_with_iteration_lines(staged_ref_submitted):
+    run, out = staged_ref_submitted
     exp = config.load(run.config_path)
     assert plan.next_stage(run, exp) is None
     lines = [line for line in out.splitlines() if line.startswith("iter ")]
@@ -68,8 +58,8 @@ def test_run_completes_with_iteration_lines(straight):
     assert (run.root / "policy" / "v000002").resolve() == (run.stage_dir(1, "update") / "policy").resolve()
 
 
-def test_mlflow_has_the_metrics_and_artifacts(straight):
-    run, _ = straight
+def test_mlflow_has_the_metrics_and_artifacts(staged_ref):
+    run = staged_ref
     info = run.read_run_info()
     db = Path(info["mlflow_tracking_uri"].removeprefix("sqlite:///"))
     assert stat.S_IMODE(db.stat().st_mode) & 0o007 == 0  # like the run directory: not for others
@@ -118,10 +108,21 @@ def _kill_during(run: RunDir, iteration: int, stage: str, proc: subprocess.Popen
     proc.wait()
 
 
-def test_killed_in_each_stage_and_resumed_gives_identical_outputs(setup, straight):
-    root, env, paths = setup
+def _scored_again(ref: RunDir, iteration: int, out: Path, functions: list[str]) -> Path:
+    """The score stage of `ref`'s iteration run again (hpcrl replay) with these reward functions:
+    what a run of `ref`'s experiment with them commits, its generation being `ref`'s."""
+    from hpcrl import replay
+
+    again, again_exp = replay.prepare(ref, config.load(ref.config_path), iteration, "score",
+                                      {"reward.functions": functions}, out)
+    replay.run_stage(again, again_exp, iteration, "score")
+    return again.stage_dir(iteration, "score")
+
+
+def test_killed_in_each_stage_and_resumed_gives_identical_outputs(setup, staged_ref, tmp_path, monkeypatch):
+    root, env, path = setup
     run = RunDir.at(root / "runs" / "killed")
-    proc = hpcrl("submit", str(paths["killed"]), env=env)
+    proc = hpcrl("submit", str(path), env=env)
     _kill_during(run, 0, "generate", proc, delay=1.0)
     for iteration, stage, delay in ((0, "score", 0.3), (0, "update", 0.5), (1, "generate", 1.0)):
         before = _committed(run)
@@ -132,17 +133,20 @@ def test_killed_in_each_stage_and_resumed_gives_identical_outputs(setup, straigh
     proc = hpcrl("resume", str(run.root), env=env)
     out, _ = proc.communicate(timeout=1200)
     assert proc.returncode == 0, out
-    ref, _ = straight
+    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])  # the score jobs below import slow_reward
     exp = config.load(run.config_path)
     for k, s in plan.all_stages(exp):
         got = commit.read_manifest(run.stage_dir(k, s))
-        want = commit.read_manifest(ref.stage_dir(k, s))
+        # staged_ref, its scores made with the slow reward function (the name is in them) like this run's
+        ref = _scored_again(staged_ref, k, tmp_path / f"score-{k}", SLOW) if s == "score" else \
+            staged_ref.stage_dir(k, s)
+        want = commit.read_manifest(ref)
         assert got["files"] == want["files"], (k, s)  # byte-identical data and policy files
     assert len(RunDir.at(run.root).read_run_info()["mlflow_run_id"]) > 0
 
 
-def test_status_shows_committed_stages_and_second_controller_is_refused(straight, setup):
-    run, _ = straight
+def test_status_shows_committed_stages_and_second_controller_is_refused(staged_ref, setup):
+    run = staged_ref
     _, env, _ = setup
     out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "status", str(run.root), "--verify"],
                          capture_output=True, text=True, env=env)
