@@ -100,8 +100,15 @@ def _wait_for_running(run: RunDir, iteration: int, stage: str, proc=None, timeou
 def test_a_controller_job_survives_a_requeued_stage_and_commits_what_a_local_run_does(runs_root, tiny_task,
                                                                                       local_ref):
     """The controller runs as a Slurm job; the update of iteration 0 is requeued while it works
-    (`scontrol requeue`), runs again, and the run commits what the local run does."""
-    path = _write(runs_root, tiny_task, "slurm", executor=SLURM)
+    (`scontrol requeue`), runs again, and the run commits what the local run does. Issue #19: the
+    run has generate.engines = 2, so each generate stage is a job array whose two tasks (a node's
+    two GPUs each, so never on one node) run side by side on both nodes (sacct), and the stages
+    commit the bytes of the one-engine local run. pins: shards run one after the other in one job,
+    or merged out of one engine's order."""
+    from hpcrl import slurm
+
+    spec = {**SLURM, "generate": {**SLURM["generate"], "cpus_per_task": 1, "gpus_per_node": 2}}
+    path = _write(runs_root, tiny_task, "slurm", executor=spec, generate={"engines": 2})
     out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -120,13 +127,26 @@ def test_a_controller_job_survives_a_requeued_stage_and_commits_what_a_local_run
     stage_jobs = [j for j in jobs if j["role"] != "controller"]
     assert (sorted((j["iteration"], j["role"]) for j in stage_jobs)
             == sorted(plan.all_stages(config.load(path))))
+    arrays = [j for j in stage_jobs if j["role"] == "generate"]
+    assert [j.get("array") for j in arrays] == [2, 2, 2]  # what a restarted controller adopts
     rows = {r["JobID"]: r for r in _sacct_ended([j["job_id"] for j in jobs])}  # the controller's too
     for j in stage_jobs:
-        row = rows[j["job_id"]]
-        assert row["State"] == "COMPLETED"
-        assert row["Partition"] == SLURM[j["role"]]["partition"]
-        assert int(row["AllocCPUS"]) == SLURM[j["role"]]["cpus_per_task"]
-        assert row["JobName"] == f"{j['role']}-{j['iteration']}-slurm"
+        tasks = [f"{j['job_id']}_{i}" for i in range(2)] if j["role"] == "generate" else [j["job_id"]]
+        for task in tasks:
+            row = rows[task]
+            assert row["State"] == "COMPLETED"
+            assert row["Partition"] == spec[j["role"]]["partition"]
+            assert int(row["AllocCPUS"]) == spec[j["role"]]["cpus_per_task"]
+            assert row["JobName"] == f"{j['role']}-{j['iteration']}-slurm"
+    for j in arrays:  # iterations 0, 1 and the final validation, one array each
+        array = j["job_id"]
+        assert slurm.accounting([array])[array]["State"] == "COMPLETED"
+        merged_by = commit.read_manifest(run.stage_dir(j["iteration"], "generate"))["job_id"]
+        assert merged_by in (f"{array}_0", f"{array}_1"), merged_by  # the task that merged
+        tasks = [r for job_id, r in rows.items() if job_id.startswith(f"{array}_")]
+        assert sorted(r["JobID"] for r in tasks) == [f"{array}_0", f"{array}_1"], tasks
+        assert all(r["State"] == "COMPLETED" for r in tasks), tasks
+        assert sorted(r["NodeList"] for r in tasks) == ["n1", "n2"], tasks
     _reported_in_status_and_mlflow(run)
 
 
@@ -278,16 +298,17 @@ def test_resident_engines_on_two_nodes_from_a_script_submitted_by_hand_commit_wh
     assert synced["sync/logp_diff"] < 1e-4 < synced["sync/update_shift"]
 
 
-def test_staged_async_run_overlaps_a_generation_with_the_update_before_it(tmp_path, tiny_task):
+def test_staged_async_run_overlaps_a_generation_with_the_update_before_it(tmp_path, tiny_task, local_ref):
     """Issue #18: with algorithm.max_staleness = 1 the generate job of iteration k + 1 depends on
     update k - 1 only, so Slurm runs it beside update k (sacct's start and end times). pins: jobs
-    chained behind the previous one, as lock-step needs."""
+    chained behind the previous one, as lock-step needs. Its one-engine stages of iteration 0 (policy
+    version 0, as in lock-step) commit the local run's bytes (the requeued run has two engines)."""
     from datetime import datetime
 
     one_core = {role: {**SLURM[role], "cpus_per_task": 1} for role in ("generate", "update")}
     path = _write(tmp_path, tiny_task, "async", executor={**SLURM, **one_core, "lookahead": 3},
                   algorithm={"group_size": 4, "prompts_per_iteration": 8, "max_staleness": 1},
-                  run={"iterations": 3, "eval_every": 0})
+                  run={"iterations": 3, "eval_every": 1})
     out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -306,36 +327,6 @@ def test_staged_async_run_overlaps_a_generation_with_the_update_before_it(tmp_pa
     for k in range(2):  # each generation sampled with the update its job waited for
         inputs = commit.read_manifest(run.stage_dir(k + 2, "generate"))["inputs"]
         assert f"update@iter_{k + (k == 1):06d}" in inputs  # the final validation: the final policy
-
-
-def test_two_generate_shards_run_on_two_nodes_and_commit_what_one_engine_does(runs_root, tiny_task,
-                                                                              local_ref):
-    """Issue #19: with generate.engines = 2 each generate stage is a job array whose two tasks (a
-    node's two GPUs each, so never on one node) run side by side on both nodes (sacct), and the
-    stages commit the bytes of the one-engine run. pins: shards run one after the other in one job,
-    or merged out of one engine's order."""
-    whole_node = {**SLURM["generate"], "cpus_per_task": 1, "gpus_per_node": 2}
-    path = _write(runs_root, tiny_task, "engines", executor={**SLURM, "generate": whole_node},
-                  generate={"engines": 2}, run={"iterations": 1})
-    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True,
-                         text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
-    run = RunDir.at(runs_root / "runs" / "engines")
-    _wait_complete(run)
-    for stage in ("generate", "score"):  # iteration 0 is the same in the two-iteration reference
+    for stage in ("generate", "score"):
         assert (commit.read_manifest(run.stage_dir(0, stage))["files"]
                 == commit.read_manifest(local_ref.stage_dir(0, stage))["files"]), stage
-    records = [j for j in run.jobs() if j["role"] == "generate"]
-    assert [j.get("array") for j in records] == [2, 2]  # what a restarted controller adopts
-    arrays = [j["job_id"] for j in records]
-    assert len(arrays) == 2  # iteration 0 and the final validation, one array each
-    from hpcrl import slurm
-
-    assert slurm.accounting([arrays[0]])[arrays[0]]["State"] == "COMPLETED"
-    merged_by = commit.read_manifest(run.stage_dir(0, "generate"))["job_id"]  # the task that merged
-    assert merged_by in (f"{arrays[0]}_0", f"{arrays[0]}_1"), merged_by
-    for array in arrays:
-        rows = [r for r in _sacct_ended([array]) if not r["JobID"].endswith("]")]
-        assert sorted(r["JobID"] for r in rows) == [f"{array}_0", f"{array}_1"], rows
-        assert all(r["State"] == "COMPLETED" for r in rows), rows
-        assert sorted(r["NodeList"] for r in rows) == ["n1", "n2"], rows
