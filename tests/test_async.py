@@ -76,16 +76,39 @@ def _submit(path, *args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=900)
 
 
-@pytest.fixture(scope="module")
-def staged_async(tmp_path_factory, tiny_task) -> RunDir:
+def _experiment(root, tiny_task, name: str, **sections):
+    """The experiment file of a run under `root`, and its run directory."""
     from tests.conftest import experiment_toml
 
-    root = tmp_path_factory.mktemp("async")
-    path = root / "staged.toml"
-    path.write_text(experiment_toml(tiny_task, root / "runs", "staged", **ASYNC))
+    path = root / f"{name}.toml"
+    path.write_text(experiment_toml(tiny_task, root / "runs", name, **sections))
+    return path, RunDir.at(config.load(path).run_dir)
+
+
+@pytest.fixture(scope="module")
+def staged_async(tmp_path_factory, tiny_task) -> RunDir:
+    """The staged run: two engines, each generation from two shards (hpcrl.shards), two score
+    tasks, and a final validation of one prompt (so one shard draws no request, one score part is
+    empty)."""
+    path, run = _experiment(tmp_path_factory.mktemp("async"), tiny_task, "staged", generate={"engines": 2},
+                            executor={"score": {"tasks": 2}}, data={"max_val_prompts": 1}, **ASYNC)
     out = _submit(path)
     assert out.returncode == 0, out.stderr[-3000:]
-    return RunDir.at(config.load(path).run_dir)
+    return run
+
+
+@pytest.fixture(scope="module")
+def resident_async(tmp_path_factory, tiny_task) -> RunDir:
+    """The resident run of one engine (the one-engine reference the engines' runs are compared
+    with), killed once generation 1 (version 0, made while update 0 ran) is committed, and resumed."""
+    path, run = _experiment(tmp_path_factory.mktemp("async"), tiny_task, "killed", executor=RESIDENT, **ASYNC)
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _kill_when_committed(proc, run.stage_dir(1, GENERATE))
+    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "resume", str(run.root)], capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
 
 
 def _same_outputs(a: RunDir, b: RunDir, exp, iterations: int | None = None) -> None:
@@ -111,18 +134,14 @@ def _checks(run: RunDir, exp) -> None:
     assert [plan.policy_version(exp, k) for k in range(3)] == [0, 0, 2]
 
 
-def test_two_engines_and_two_score_tasks_commit_what_one_of_each_does(staged_async, write_experiment):
+def test_two_engines_and_two_score_tasks_commit_what_one_of_each_does(staged_async, resident_async):
     """pins (generate.engines, executor.score.tasks, hpcrl.shards): shards that draw other prompts
     or seeds than one engine, a merge out of one engine's order, score parts that overlap, a shard
     with no request that fails (the final validation of one prompt over two engines), or a stage
     committed before each of its shards."""
-    path = write_experiment("engines", generate={"engines": 2}, executor={"score": {"tasks": 2}},
-                            data={"max_val_prompts": 1}, **ASYNC)
-    out = _submit(path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    exp = config.load(path)
-    run = RunDir.at(exp.run_dir)
-    _like_one_engine(staged_async, run, exp)
+    run = staged_async
+    exp = config.load(run.config_path)
+    _like_one_engine(resident_async, run, exp)
     for k in range(exp.run.iterations + 1):
         rows = pq.read_metadata(run.stage_dir(k, GENERATE) / "rollouts.parquet").num_rows
         scored = [pq.read_metadata(run.shard_dir(k, SCORE, i, 2) / "scores.parquet").num_rows
@@ -131,9 +150,9 @@ def test_two_engines_and_two_score_tasks_commit_what_one_of_each_does(staged_asy
 
 
 def _like_one_engine(ref: RunDir, run: RunDir, exp, n: int = 2) -> None:
-    """`run`, made by several engines, committed what `ref` (one engine, max_val_prompts unset)
-    did: every training table, the one validation prompt's rows, and each generation from `n`
-    disjoint shards committed before it."""
+    """`run`, made by several engines, committed what `ref` (one engine, max_val_prompts unset; the
+    resident run, which commits what the staged mode does) did: every training table, the one
+    validation prompt's rows, and each generation from `n` disjoint shards committed before it."""
     last = exp.run.iterations
     _same_outputs(ref, run, exp, iterations=last)  # the training iterations
     for stage, table in ((GENERATE, "rollouts"), (SCORE, "scores")):  # the one validation prompt's rows
@@ -172,7 +191,7 @@ def _kill_task(proc: subprocess.Popen, task: int) -> int:
     raise AssertionError(f"no task {task} among the children of {proc.pid}")
 
 
-def test_two_resident_engines_commit_what_one_does_even_when_one_is_killed(staged_async, write_experiment):
+def test_two_resident_engines_commit_what_one_does_even_when_one_is_killed(resident_async, write_experiment):
     """pins (generate.engines and generate.shards in the resident mode, hpcrl.resident_engines): an
     engine that samples other prompts or with another version than engine 0, misses an update's
     weights (its probe is checked), two engines claiming one shard, a shard nobody claims, a merge
@@ -200,7 +219,7 @@ def test_two_resident_engines_commit_what_one_does_even_when_one_is_killed(stage
     assert [j["role"] for j in run.jobs()].count("resident") == 2  # resubmitted once
     assert commit.read_manifest(shard)["committed_at"] == first_commit  # kept, not sampled again
     _checks(run, exp)
-    _like_one_engine(staged_async, run, exp, n=4)
+    _like_one_engine(resident_async, run, exp, n=4)
     synced = commit.read_manifest(run.stage_dir(2, GENERATE))["metrics"]
     assert synced["sync/logp_diff"] < 1e-4 < synced["sync/update_shift"]
 
@@ -219,23 +238,35 @@ def _kill_when_committed(proc: subprocess.Popen, stage_dir, timeout: float = 600
     proc.wait()
 
 
-def test_a_resident_async_run_killed_and_resumed_commits_what_the_staged_does(staged_async, write_experiment):
+def _staged_again(run: RunDir, iteration: int, stage: str, out) -> RunDir:
+    """`stage` of `run`'s iteration run again as a stage job (hpcrl replay) from `run`'s inputs."""
+    from hpcrl import replay
+
+    again, exp = replay.prepare(run, config.load(run.config_path), iteration, stage, {}, out)
+    replay.run_stage(again, exp, iteration, stage)
+    return again
+
+
+def test_a_resident_async_run_killed_and_resumed_commits_what_the_staged_does(staged_async, resident_async,
+                                                                              tmp_path):
     """The resident job is killed once generation 1 (version 0, made while update 0 ran) is
-    committed, and resumed. pins: a resident generator that loads a version before the generation
-    that needs it (or after) or mixes versions in one generation; a resume that samples a pending
-    generation with the trainers' (newer) version, or that discards the generation made while the
-    killed update ran."""
-    path = write_experiment("killed", executor=RESIDENT, **ASYNC)
-    exp = config.load(path)
-    run = RunDir.at(exp.run_dir)
-    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    _kill_when_committed(proc, run.stage_dir(1, GENERATE))  # made with version 0 while update 0 ran
-    out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "resume", str(run.root)], capture_output=True,
-                         text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    _checks(staged_async, exp)
+    committed, and resumed (the `resident_async` run). pins: a resident generator that loads a
+    version before the generation that needs it (or after) or mixes versions in one generation; a
+    resume that samples a pending generation with the trainers' (newer) version, or that discards
+    the generation made while the killed update ran. The staged run validates one prompt: the
+    resident run's whole validation (eight prompts) is also made again by stage jobs from its
+    inputs, the policy its updates made."""
+    run = resident_async
+    exp = config.load(run.config_path)
+    last = exp.run.iterations
+    _checks(staged_async, config.load(staged_async.config_path))
     _checks(run, exp)
-    _same_outputs(staged_async, run, exp)
+    _same_outputs(staged_async, run, exp, iterations=last)  # every training table
+    for stage, table in ((GENERATE, "rollouts"), (SCORE, "scores")):
+        mine = pq.read_table(run.stage_dir(last, stage) / f"{table}.parquet")
+        staged = pq.read_table(staged_async.stage_dir(last, stage) / f"{table}.parquet")
+        assert staged.num_rows == 1 and mine.filter(pc.equal(mine["prompt_index"], 0)).equals(staged), stage
+        again = _staged_again(run, last, stage, tmp_path / stage).stage_dir(last, stage)
+        assert mine.num_rows == 8 and mine.equals(pq.read_table(again / f"{table}.parquet")), stage
     synced = commit.read_manifest(run.stage_dir(2, GENERATE))["metrics"]
     assert synced["sync/logp_diff"] < 1e-4 < synced["sync/update_shift"]
