@@ -489,3 +489,26 @@ def test_the_stage_lines_are_flushed_to_the_job_log_as_they_are_printed(root, cl
     assert log.flushed and log.flushed[-1] == "[score] iteration 0 committed in 0.0s: \n"
     stage.run_stage("score", root, 0, lambda ctx: 1 / 0)
     assert log.flushed[-1].endswith("[score] iteration 0 is already committed: nothing to do\n")
+
+
+def test_a_failing_trainer_job_leaves_the_group_without_waiting_for_the_other_ranks(root, monkeypatch):
+    """Pins: a rank that raises and then waits at the shutdown barrier. The other ranks may never
+    reach it (they wait in a collective for this one), so the job hangs and its traceback never
+    prints; a rank that succeeds still waits for the others before leaving."""
+    from hpcrl import distributed
+
+    monkeypatch.setitem(stage_kinds.KINDS, "update", _fake_kind("update", on_trainers=True))
+    monkeypatch.setattr(distributed, "init", lambda: (0, 2))
+    shutdowns = []
+    monkeypatch.setattr(distributed, "shutdown", lambda barrier=True: shutdowns.append(barrier))
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("rank 0 lost its GPU")
+
+    monkeypatch.setattr(stage, "run_stage", fail)
+    with pytest.raises(RuntimeError, match="rank 0 lost its GPU"):
+        stage.job_main("update", ["--run-dir", str(root), "--iteration", "0"])
+    assert shutdowns == [False]
+    monkeypatch.setattr(stage, "run_stage", lambda *args, **kwargs: None)
+    stage.job_main("update", ["--run-dir", str(root), "--iteration", "0"])
+    assert shutdowns == [False, True]
