@@ -103,6 +103,7 @@ class Controller:
                  show_progress: bool | None = None):
         self.run, self.exp, self.echo = run, exp, echo
         self.show_progress = sys.stderr.isatty() if show_progress is None else show_progress
+        self.plotted_the_end = False  # the plots of a complete run are written once
 
     def run_all(self) -> None:
         with RunLock(self.run):
@@ -292,8 +293,12 @@ class Controller:
             self.echo(iteration_line(self.exp, self.run, k))
             tracker.log_utilisation(self.run, k)
             every = self.exp.tracking.plot_every
-            if plan.next_stage(self.run, self.exp) is None or (every and (k + 1) % every == 0):
+            # a resident run may be complete while the controller still logs earlier iterations: the
+            # plots (read from the run directory) are written once, at the first it sees of the end
+            the_end = not self.plotted_the_end and plan.next_stage(self.run, self.exp) is None
+            if the_end or (every and (k + 1) % every == 0):
                 tracker.log_plots(self.run, self.exp)
+                self.plotted_the_end |= the_end
 
     def _prune(self) -> None:
         """Remove what [run.retention] lets go now; say what, by which rule (retention.jsonl records it)."""

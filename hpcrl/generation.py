@@ -8,6 +8,7 @@ With dynamic sampling the training prompts are sampled in rounds (hpcrl/dynamic_
 
 from __future__ import annotations
 
+import gc
 import os
 import stat
 import tempfile
@@ -91,6 +92,9 @@ def make_engine(exp: Experiment, model_path: Path, seed: int, worker_extension_c
     configure_env(exp.generate)
     from vllm import LLM
 
+    # vLLM's start-up calls gc.collect() 5 times; each walks the whole heap of imported modules
+    # (1.5 s of a 9 s start on CPU). Frozen, those objects are skipped (as `vllm serve` freezes its heap)
+    gc.freeze()
     kwargs = {"tensor_parallel_size": exp.generate.tensor_parallel_size, "load_format": load_format}
     if on_gpu():
         kwargs["gpu_memory_utilization"] = exp.generate.gpu_memory_utilization

@@ -46,7 +46,9 @@ def stand_in_model(tiny_task: Path, dest: Path, positions: int = 32768) -> Path:
 
 
 def experiment_toml(task: Path, runs_root: Path, name: str = "t", **sections) -> str:
-    """A small experiment over the tiny task; `sections` override keys, e.g. update={"world_size": 2}."""
+    """A small experiment over the tiny task; `sections` override keys, e.g. update={"world_size": 2}.
+    MLflow is off (a new store, its logging and the plots cost a run about 5 s here): the runs whose
+    MLflow record a test reads turn it on with tracking={"enabled": True}."""
     base = {
         "run": {"name": name, "runs_root": str(runs_root), "seed": 3, "iterations": 2, "eval_every": 1},
         "model": {"path": str(task / "model"), "max_model_len": 64},
@@ -55,6 +57,7 @@ def experiment_toml(task: Path, runs_root: Path, name: str = "t", **sections) ->
         "algorithm": {"group_size": 4, "prompts_per_iteration": 8},
         "generate": {"max_tokens": 8, "kv_cache_gib": 0.25},
         "update": {"lr": 2e-4, "mini_batches": 2, "micro_batch_size": 8, "world_size": 1},
+        "tracking": {"enabled": False},
     }
     for section, values in sections.items():
         base.setdefault(section, {}).update(values)
@@ -80,7 +83,7 @@ def staged_ref_submitted(tmp_path_factory, tiny_task):
 
     root = tmp_path_factory.mktemp("staged-ref")
     path = root / "ref.toml"
-    path.write_text(experiment_toml(tiny_task, root / "runs", "ref"))
+    path.write_text(experiment_toml(tiny_task, root / "runs", "ref", tracking={"enabled": True}))
     out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stdout + out.stderr

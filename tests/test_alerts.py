@@ -157,6 +157,26 @@ def test_the_controller_reports_warns_and_stops_and_status_says_why(tmp_path, we
     assert all(not line.startswith("STOPPED") for line in alerts.report(recorded, run.root, complete=True))
 
 
+def test_the_plots_are_written_every_plot_every_iterations_and_once_at_the_end(tmp_path, monkeypatch):
+    """A resident run may be complete while the controller still logs its earlier iterations: the
+    plots come at every tracking.plot_every-th iteration and once for the end. pins: a plot written
+    for every iteration logged after the end (1.7 s each on 2 cores)."""
+    from hpcrl import config, plan
+    from hpcrl.tracking import Tracker
+    from tests.synthetic_run import make_run
+
+    run = make_run(tmp_path / "plotted", iterations=5, rows=16)  # complete: nothing left to run
+    exp = config.with_overrides(config.load(run.config_path), {"tracking.plot_every": 2,
+                                                               "tracking.enabled": False}, "test")
+    tracker, plotted = Tracker(run, exp), []
+    monkeypatch.setattr(tracker, "log_plots", lambda r, e: plotted.append(k))
+    controller = Controller(run, exp, echo=lambda line: None, show_progress=False)
+    for k in range(exp.run.iterations + 1):
+        if stages := plan.stages_of(exp, k):
+            controller._after_commit(tracker, k, stages[-1])
+    assert plotted == [0, 1, 3, 5]  # the end (seen at 0), then every 2nd; 5: the final validation
+
+
 def test_an_unreachable_webhook_is_reported_and_does_not_stop_the_run():
     error = alerts.post("http://127.0.0.1:9/nowhere", {"rule": "kl_max"}, timeout_s=2)
     assert error is not None and ("Connection refused" in error or "URLError" in error)

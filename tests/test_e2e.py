@@ -44,7 +44,8 @@ def setup(tmp_path_factory, tiny_task):
     (root / "slow_reward.py").write_text(SLOW_REWARD)
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     path = root / "killed.toml"  # staged_ref's experiment but for the reward function
-    path.write_text(c.experiment_toml(tiny_task, root / "runs", "killed", reward={"functions": SLOW}))
+    path.write_text(c.experiment_toml(tiny_task, root / "runs", "killed", reward={"functions": SLOW},
+                                      tracking={"enabled": True}))
     return root, env, path
 
 

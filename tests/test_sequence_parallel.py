@@ -84,11 +84,11 @@ def test_two_ranks_splitting_each_sequence_update_the_policy_as_one_rank_does(wr
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
             assert a["tokens"] == b["tokens"]
         # Adam divides by the gradient's own scale: where a gradient is near 0, rounding moves a
-        # weight by a visible fraction of lr; a wrong gradient (a slice's sign or share) moves it by
-        # about lr
+        # weight by a visible fraction of lr (2.2% of it on one CPU, depending on its kernels); a
+        # wrong gradient (a slice's sign or share) moves most weights by about lr
         w = _weights(run)
         diffs = [(w[k] - w1[k]).abs() for k in w1]
-        assert max(d.max().item() for d in diffs) < 0.02 * lr
+        assert max(d.max().item() for d in diffs) < 0.25 * lr
         assert sum(d.sum().item() for d in diffs) / sum(d.numel() for d in diffs) < 1e-4 * lr
 
 

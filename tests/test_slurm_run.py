@@ -108,7 +108,8 @@ def test_a_controller_job_survives_a_requeued_stage_and_commits_what_a_local_run
     from hpcrl import slurm
 
     spec = {**SLURM, "generate": {**SLURM["generate"], "cpus_per_task": 1, "gpus_per_node": 2}}
-    path = _write(runs_root, tiny_task, "slurm", executor=spec, generate={"engines": 2})
+    path = _write(runs_root, tiny_task, "slurm", executor=spec, generate={"engines": 2},
+                  tracking={"enabled": True})
     out = subprocess.run([sys.executable, "-m", "hpcrl.cli", "submit", str(path)], capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stdout + out.stderr
