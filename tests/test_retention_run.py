@@ -49,7 +49,7 @@ def runs(tmp_path_factory, tiny_task) -> dict[str, tuple[RunDir, str]]:
     import tests.conftest as c
 
     root = tmp_path_factory.mktemp("retention")
-    common = {"data": {"test": ""}, "tracking": {"enabled": False}}
+    common = {"data": {"test": ""}}
     specs = {
         "staged": {"run": {"iterations": ITERATIONS, "eval_every": 0,
                            "retention": {"keep_last": 2, "keep_trainer_states": 1}}},
