@@ -183,8 +183,11 @@ def _sources(exp: Experiment, path: Path, split: str) -> tuple[Path, list[Path],
     source = _hf_split_dir(path, split) if path.is_dir() else path
     data_files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
     tok_dir = Path(exp.tokenizer_path)
-    tok_files = sorted(p for p in tok_dir.iterdir() if p.is_file() and p.suffix not in WEIGHT_SUFFIXES)
-    return source, data_files, tok_dir, tok_files
+    return source, data_files, tok_dir, _tokenizer_files(tok_dir)
+
+
+def _tokenizer_files(tok_dir: Path) -> list[Path]:
+    return sorted(p for p in tok_dir.iterdir() if p.is_file() and p.suffix not in WEIGHT_SUFFIXES)
 
 
 def _lengths_file(exp: Experiment, path: Path, split: str) -> Path:
@@ -193,7 +196,7 @@ def _lengths_file(exp: Experiment, path: Path, split: str) -> Path:
     key = json.dumps({"v": 1, "data": _digest(data_files, source), "prompt_key": exp.data.prompt_key,
                       "tokenizer": _digest(tok_files, tok_dir)})
     name = hashlib.sha256(key.encode()).hexdigest()[:32]
-    return Path(exp.run.runs_root) / ".cache" / "prompt-lengths" / f"{name}.parquet"
+    return cache_dir(exp) / "prompt-lengths" / f"{name}.parquet"
 
 
 def _measure(prompts: list[str], tokenizer, path: Path) -> np.ndarray:
@@ -208,7 +211,7 @@ def _measure(prompts: list[str], tokenizer, path: Path) -> np.ndarray:
 
 
 def prompt_lengths(exp: Experiment, split: str, table: pa.Table, tokenizer=None) -> np.ndarray:
-    """Tokens of every prompt of a split, cached under <runs_root>/.cache/prompt-lengths/.
+    """Tokens of every prompt of a split, cached under <cache>/prompt-lengths/ (`cache_dir`).
 
     The cache is keyed by the dataset's and the tokenizer's bytes, so a run and its stages reuse
     one measurement; the tokenizer (exp.tokenizer_path unless given) is loaded only on a miss.
@@ -219,19 +222,57 @@ def prompt_lengths(exp: Experiment, split: str, table: pa.Table, tokenizer=None)
         lengths = pq.read_table(cache)["prompt_tokens"].to_numpy()
         if len(lengths) == table.num_rows:
             return lengths
-    if tokenizer is None:
-        from transformers import AutoTokenizer
+    lengths = _measure(table["prompt"].to_pylist(), tokenizer or load_tokenizer(exp), path)
+    _cache_write(cache, lambda tmp: pq.write_table(pa.table({"prompt_tokens": lengths}), tmp))
+    return lengths
 
-        tokenizer = AutoTokenizer.from_pretrained(exp.tokenizer_path)
-    lengths = _measure(table["prompt"].to_pylist(), tokenizer, path)
-    try:  # a cache: a runs_root that cannot hold it (preflight names it) only costs a new count
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-        pq.write_table(pa.table({"prompt_tokens": lengths}), tmp)
-        tmp.replace(cache)
+
+def load_tokenizer(exp: Experiment):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(exp.tokenizer_path)
+
+
+@dataclass(frozen=True)
+class TokenizerFacts:
+    """What the pre-flight checks of a tokenizer: its tokens (added ones too) and its eos token."""
+
+    tokens: int
+    eos_token_id: int | None
+
+
+def tokenizer_facts(exp: Experiment) -> tuple[TokenizerFacts, object | None]:
+    """(facts, the tokenizer loaded for them or None): cached under <cache>/tokenizers/ by the
+    tokenizer's bytes, so a submit that finds them does not import transformers (5 s). Raises what
+    loading the tokenizer raises."""
+    tok_dir = Path(exp.tokenizer_path)
+    cache = cache_dir(exp) / "tokenizers" / f"{_digest(_tokenizer_files(tok_dir), tok_dir)[:32]}.json"
+    try:
+        return TokenizerFacts(**json.loads(cache.read_text())), None
+    except (OSError, ValueError, TypeError):
+        pass
+    tokenizer = load_tokenizer(exp)
+    facts = TokenizerFacts(len(tokenizer), tokenizer.eos_token_id)
+    _cache_write(cache, lambda tmp: tmp.write_text(json.dumps(facts.__dict__)))
+    return facts, tokenizer
+
+
+def cache_dir(exp: Experiment) -> Path:
+    """Where measurements of datasets and tokenizers are kept: $HPCRL_CACHE_DIR, or
+    <runs_root>/.cache. Entries are named by the bytes they were measured from, never edited."""
+    return Path(os.environ.get("HPCRL_CACHE_DIR") or Path(exp.run.runs_root) / ".cache")
+
+
+def _cache_write(path: Path, write) -> None:
+    """write(tmp), then tmp renamed to `path`. A cache: a directory that cannot hold it (preflight
+    names a runs_root it cannot write) only costs a new measurement."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        write(tmp)
+        tmp.replace(path)
     except OSError:
         pass
-    return lengths
 
 
 def prompt_set(exp: Experiment, split: str, tokenizer=None) -> PromptSet:

@@ -37,7 +37,10 @@ class StageCall(submitit.helpers.Checkpointable):
         self.module, self.run_dir, self.iteration, self.shard = module, run_dir, iteration, shard
 
     def __call__(self) -> None:
+        from hpcrl.stage import skip_final_collection
+
         run_stage_module(self.module, self.run_dir, self.iteration, self.shard)
+        skip_final_collection()
 
 
 def slurm_parameters(exp: Experiment, role: str, run_name: str, iteration: int | None = None) -> dict:

@@ -101,6 +101,12 @@ def make_engine(exp: Experiment, model_path: Path, seed: int, worker_extension_c
         kwargs["enable_sleep_mode"] = exp.executor.mode == "resident" and exp.executor.resident.colocate
     else:  # explicit KV cache size (left unset, vLLM's CPU backend takes most of the node's memory)
         kwargs["kv_cache_memory_bytes"] = int(exp.generate.kv_cache_gib * (1 << 30))
+        # A CPU engine runs eager (enforce_eager below), but vLLM still compiles its logprob helper
+        # (batched_count_greater_than) with inductor on first use: 3-5 s per process for a comparison
+        # and a sum. Eager gives the same ranks and logprobs.
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
     if worker_extension_cls:
         kwargs["worker_extension_cls"] = worker_extension_cls
     return LLM(
@@ -269,6 +275,13 @@ class GenerateStage(Stage):
         self.llm, self.version, self.pool = None, 0, None
         self.await_policy: Callable[[], None] | None = None
         self.metrics: dict[str, float] = {}
+
+    def close(self) -> None:
+        """Shut the engine down now: at the process's exit vLLM's hook would, after unfreezing the
+        heap the job froze (hpcrl.stage.skip_final_collection)."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
 
     def startup(self) -> None:
         configure_env(self.exp.generate)

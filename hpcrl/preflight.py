@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hpcrl import colocation, data, disk_budget, model_check, moe, placement, rewards
+from hpcrl import colocation, data, disk_budget, model_check, placement, rewards
 from hpcrl.config import ConfigError, Experiment
 from hpcrl.config_training import AlgorithmConfig, CriticConfig, LoraConfig, ModelConfig, RunConfig
 from hpcrl.stage_kinds import ORDER
@@ -32,6 +32,8 @@ def _check_model(model: ModelConfig, lora: LoraConfig) -> tuple[list[str], dict 
 
 
 def _check_moe(exp: Experiment, model_cfg: dict | None) -> list[str]:
+    from hpcrl import moe  # imports torch: only where a check needs it
+
     if exp.update.moe_aux_loss_coef > 0 and model_cfg is not None and not moe.is_moe_config(model_cfg):
         return [f"update.moe_aux_loss_coef: {exp.update.moe_aux_loss_coef} asks for a load-balancing loss, "
                 f"but {exp.model.path} is not a mixture-of-experts model (its config.json has no "
@@ -46,6 +48,7 @@ def _check_sequence_parallel(exp: Experiment, model_cfg: dict | None) -> list[st
     n = exp.update.sequence_parallel
     if n == 1 or model_cfg is None:
         return []
+    from hpcrl import moe
     key, path = "update.sequence_parallel", exp.model.path
     text = model_cfg.get("text_config") or model_cfg
     heads, kv, _ = _attention_shape(model_cfg)
@@ -153,34 +156,35 @@ def _check_algorithm(a: AlgorithmConfig) -> list[str]:
     return problems
 
 
-def _check_tokenizer(exp: Experiment, model_cfg: dict | None):
-    from transformers import AutoTokenizer
-
+def _check_tokenizer(exp: Experiment, model_cfg: dict | None) -> tuple[list[str], bool, object | None]:
+    """(problems, whether prompts can be measured, the tokenizer if it was loaded)."""
     key = "model.tokenizer" if exp.model.tokenizer else "model.path"
     if not any((Path(exp.tokenizer_path) / name).is_file() for name in TOKENIZER_FILES):
         return [f"{key}: {exp.tokenizer_path}: no tokenizer files (expected one of "
-                f"{', '.join(TOKENIZER_FILES)}); set model.tokenizer to a tokenizer's directory"], None
+                f"{', '.join(TOKENIZER_FILES)}); set model.tokenizer to a tokenizer's directory"], False, None
     try:
-        tok = AutoTokenizer.from_pretrained(exp.tokenizer_path)
+        facts, tok = data.tokenizer_facts(exp)
     except (OSError, ValueError) as err:
-        return [f"{key}: {exp.tokenizer_path}: cannot load a tokenizer: {str(err).splitlines()[0]}"], None
+        reason = str(err).splitlines()[0]
+        return [f"{key}: {exp.tokenizer_path}: cannot load a tokenizer: {reason}"], False, None
     problems = []
     if model_cfg is not None:
         vocab = model_cfg.get("vocab_size") or model_cfg.get("text_config", {}).get("vocab_size")
-        if vocab is not None and len(tok) > vocab:
-            problems.append(f"{key}: the tokenizer at {exp.tokenizer_path} has {len(tok)} tokens but the "
+        if vocab is not None and facts.tokens > vocab:
+            problems.append(f"{key}: the tokenizer at {exp.tokenizer_path} has {facts.tokens} tokens but the "
                             f"model at {exp.model.path} has vocab_size {vocab}: they do not belong together")
-    if tok.eos_token_id is None:
+    if facts.eos_token_id is None:
         problems.append(f"{key}: the tokenizer at {exp.tokenizer_path} has no eos token")
-    return problems, tok
+    return problems, True, tok
 
 
-def _check_split(exp: Experiment, split: str, tok) -> tuple[list[str], list[str]]:
-    """(problems, notes) of data.train or data.test: readable, long enough, prompts that fit."""
+def _check_split(exp: Experiment, split: str, measurable: bool, tok) -> tuple[list[str], list[str]]:
+    """(problems, notes) of data.train or data.test: readable, long enough, prompts that fit (their
+    lengths measured with `tok`, or the tokenizer loaded when they are not cached)."""
     key, path = f"data.{split}", getattr(exp.data, split)
     problems, notes = [], []
     try:
-        if tok is None:  # the tokenizer's problem is reported already; lengths cannot be measured
+        if not measurable:  # the tokenizer's problem is reported already
             table = data.load_prompts(path, exp.data.prompt_key, exp.data.answer_key,
                                       getattr(exp.data, f"{split}_split"))
             prompts = data.PromptSet(table, table.num_rows, 0, 0)
@@ -207,11 +211,11 @@ def _check_split(exp: Experiment, split: str, tok) -> tuple[list[str], list[str]
     return problems, notes
 
 
-def _check_data(exp: Experiment, tok) -> tuple[list[str], list[str]]:
+def _check_data(exp: Experiment, measurable: bool, tok) -> tuple[list[str], list[str]]:
     problems, notes = [], []
     for split in ("train", "test"):
         if getattr(exp.data, split):
-            p, n = _check_split(exp, split, tok)
+            p, n = _check_split(exp, split, measurable, tok)
             problems += p
             notes += n
     return problems, notes
@@ -319,9 +323,9 @@ def check(exp: Experiment, source: str) -> list[str]:
     problems, model_cfg = _check_model(exp.model, exp.update.lora)
     problems += _check_runs_root(exp.run) or _check_locks(exp.run)
     # AutoTokenizer reads the model's config.json too: its problem is reported already
-    tok_problems, tok = ([], None) if model_cfg is None and not exp.model.tokenizer else \
+    tok_problems, measurable, tok = ([], False, None) if model_cfg is None and not exp.model.tokenizer else \
         _check_tokenizer(exp, model_cfg)
-    data_problems, notes = _check_data(exp, tok)
+    data_problems, notes = _check_data(exp, measurable, tok)
     problems += (tok_problems + data_problems + _check_algorithm(exp.algorithm)
                  + _check_critic(exp.algorithm.critic) + _check_moe(exp, model_cfg) + _check_rewards(exp)
                  + _check_sequence_parallel(exp, model_cfg) + _check_megatron(exp, model_cfg)

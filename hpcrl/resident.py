@@ -32,7 +32,7 @@ import traceback
 
 import submitit
 
-from hpcrl import distributed, placement, requeue
+from hpcrl import distributed, placement, requeue, stage
 from hpcrl.roles import HEARTBEAT_S, ControlPlane, job_secret
 
 
@@ -76,6 +76,7 @@ class ResidentCall(submitit.helpers.Checkpointable):
                 from hpcrl.resident_engines import Engine
 
                 Engine(run, exp, plane, role_rank).serve()
+            stage.skip_final_collection()
         except BaseException as err:
             if _lost_peer(err):  # a peer died mid-transfer: let the monitor name it (it ends this process)
                 time.sleep(exp.executor.resident.stall_s + 2 * HEARTBEAT_S)

@@ -82,6 +82,7 @@ class Engine:
         self.plane.stop_monitor()  # before trainer 0, which hosts the store, ends
         self.plane.reply({}, self.channel)
         self.gen.llm.collective_rpc("hpcrl_close_sync")
+        self.gen.close()
 
     def _load(self, cmd: dict) -> dict:
         load_saved(self.gen, self.run, self.exp, cmd["version"])

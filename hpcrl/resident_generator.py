@@ -72,6 +72,7 @@ class Generator:
         self.fleet.wait(self.fleet.send({"op": "stop"}))
         self.plane.send({"op": "stop"})
         self.llm.collective_rpc("hpcrl_close_sync")
+        self.gen.close()
         self.plane.stop_monitor()
 
     def _generate(self, k: int) -> None:

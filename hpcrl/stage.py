@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import hashlib
 import importlib.metadata
 import os
@@ -280,6 +281,8 @@ class Stage(ABC):
         with ctx.timed("load"):
             self.setup(self.version_for(ctx.iteration), ctx.seed)
         self.run(ctx)
+        with ctx.timed("load"):  # and its teardown: the engine, the reward workers
+            self.close()
 
 
 def job_main(name: str, argv: list[str] | None = None) -> None:
@@ -308,6 +311,14 @@ def job_main(name: str, argv: list[str] | None = None) -> None:
         distributed.shutdown(barrier=False)  # the other ranks may never reach a barrier: do not wait
         raise
     distributed.shutdown()
+
+
+def skip_final_collection() -> None:
+    """Called by a job process once its work is committed: its exit skips the interpreter's last
+    garbage collection and vLLM's gc.collect() calls at shutdown, each a walk over every object that
+    vLLM, DeepSpeed and transformers imported (2-3 s per process on CPU). The frozen objects are
+    freed with the process."""
+    gc.freeze()
 
 
 def _shard(text: str) -> tuple[int, int]:

@@ -24,6 +24,16 @@ def load_tool(name: str):
     return module
 
 
+@pytest.fixture(scope="session", autouse=True)
+def measurement_cache(tmp_path_factory) -> Path:
+    """One cache of prompt lengths and tokenizer facts (hpcrl.data.cache_dir) for the session's
+    runs, in this process and the jobs it starts: each run's pre-flight then skips importing
+    transformers (5 s). Entries are named by the bytes measured, so no test sees another's data."""
+    path = tmp_path_factory.mktemp("hpcrl-cache")
+    os.environ["HPCRL_CACHE_DIR"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_task() -> Path:
     """The demo task's model and data, built by tools/build_tiny_task.py (cached across runs)."""

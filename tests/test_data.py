@@ -207,6 +207,7 @@ def test_the_generate_stage_never_draws_a_filtered_prompt(tmp_path, write_experi
 
     from hpcrl.generation import requests_for
 
+    monkeypatch.delenv("HPCRL_CACHE_DIR")  # the default cache, under runs_root
     path, short, long = _addition_prompts(tmp_path)
     exp = config.load(write_experiment(data={"train": str(path), "test": str(path), "max_val_prompts": 0},
                                        run={"iterations": 12, "eval_every": 4}))
@@ -228,3 +229,30 @@ def test_the_generate_stage_never_draws_a_filtered_prompt(tmp_path, write_experi
     expect = {data.render(tok, json.dumps([{"role": "user", "content": s}])) for s in short}
     assert drawn == expect  # 12 iterations x 8 prompts cover every kept prompt, and nothing else
     assert validated == expect
+
+
+def test_a_submit_that_finds_its_measurements_cached_does_not_load_the_tokenizer(tmp_path, write_experiment,
+                                                                                  tiny_task, monkeypatch):
+    monkeypatch.setenv("HPCRL_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    shutil.copytree(tiny_task / "model", model)
+    exp = config.load(write_experiment(model={"path": str(model)}))
+    loaded = []
+    real = data.load_tokenizer
+    monkeypatch.setattr(data, "load_tokenizer", lambda e: loaded.append(e) or real(e))
+    preflight.check(exp, "e.toml")
+    assert len(loaded) == 1  # measured once: the tokenizer's facts, then both splits' lengths with it
+    facts = json.loads(next((tmp_path / "cache" / "tokenizers").glob("*.json")).read_text())
+    assert facts == {"tokens": len(real(exp)), "eos_token_id": real(exp).eos_token_id}
+    preflight.check(exp, "e.toml")
+    assert len(loaded) == 1
+    config_path = model / "tokenizer_config.json"  # a changed tokenizer is measured again
+    config_path.write_text(config_path.read_text().replace("{", '{"model_max_length": 77, ', 1))
+    preflight.check(exp, "e.toml")
+    assert len(loaded) == 2
+    facts["eos_token_id"] = None  # what a tokenizer without one would have cached: refused, from the cache
+    for stale in (tmp_path / "cache" / "tokenizers").glob("*.json"):
+        stale.write_text(json.dumps(facts))
+    with pytest.raises(ConfigError, match="has no eos token"):
+        preflight.check(exp, "e.toml")
+    assert len(loaded) == 2
