@@ -76,6 +76,7 @@ class ResidentCall(submitit.helpers.Checkpointable):
                 from hpcrl.resident_engines import Engine
 
                 Engine(run, exp, plane, role_rank).serve()
+            plane.close()
             stage.skip_final_collection()
         except BaseException as err:
             if _lost_peer(err):  # a peer died mid-transfer: let the monitor name it (it ends this process)

@@ -72,8 +72,8 @@ class Generator:
         self.fleet.wait(self.fleet.send({"op": "stop"}))
         self.plane.send({"op": "stop"})
         self.llm.collective_rpc("hpcrl_close_sync")
+        self.plane.stop_monitor()  # before trainer 0, which hosts the store, ends
         self.gen.close()
-        self.plane.stop_monitor()
 
     def _generate(self, k: int) -> None:
         """The generate stage of iteration k: whole on one engine, or in shards over the engines

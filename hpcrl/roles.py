@@ -35,6 +35,7 @@ from datetime import timedelta
 from pathlib import Path
 
 HEARTBEAT_S = 1.0
+STORE_CALL_S = 30  # the longest the monitor's store calls wait
 
 
 class RoleFailedError(RuntimeError):
@@ -125,6 +126,7 @@ class ControlPlane:
         self._stopping = threading.Event()
         self._beats = 0
         self._side, self._side_lock = None, threading.Lock()
+        self._monitor_thread: threading.Thread | None = None
 
     # -- signed values ------------------------------------------------------------------------
     def _mac(self, key: str, body: str) -> str:
@@ -168,10 +170,33 @@ class ControlPlane:
         return f"{info['who']} failed: {info['error']}"
 
     def start_monitor(self) -> None:
-        threading.Thread(target=self._monitor, name="hpcrl-monitor", daemon=True).start()
+        self._monitor_thread = threading.Thread(target=self._monitor, name="hpcrl-monitor", daemon=True)
+        self._monitor_thread.start()
 
     def stop_monitor(self) -> None:
+        """Stop the heartbeat, wait for the monitor's last store call (a daemon thread still in one
+        when the interpreter exits aborts the process), and say so in the store."""
+        if self._stopping.is_set():
+            return
         self._stopping.set()
+        if self._monitor_thread is not None:
+            self._monitor_thread.join(timeout=STORE_CALL_S)
+        try:
+            self.put(self.store, f"stopped/{self.rank}", True)
+        except Exception:  # noqa: BLE001  (the store may be gone already)
+            pass
+
+    def close(self) -> None:
+        """A task's end, once its role's work is done: its monitor stopped; task 0, which hosts
+        the store, waits for every other task's monitor to stop first (a monitor that lost the
+        store would end its task as failed)."""
+        self.stop_monitor()
+        if self.rank == 0:
+            try:
+                self.store.wait([f"stopped/{r}" for r in range(1, self.layout.world_size)],
+                                timedelta(seconds=self.stall_s + STORE_CALL_S))
+            except Exception:  # noqa: BLE001  (a task that died never says it stopped: end anyway)
+                pass
 
     def _connect(self, timeout: timedelta):
         """Another client connection to the job's store."""
@@ -187,7 +212,7 @@ class ControlPlane:
             return self._side
 
     def _monitor(self) -> None:
-        store = self._connect(timedelta(seconds=30))  # the main thread may sit in a wait on self.store
+        store = self._connect(timedelta(seconds=STORE_CALL_S))  # the main thread may wait on self.store
         seen: dict[int, tuple[int, float]] = {}
         while not self._stopping.wait(HEARTBEAT_S):
             try:

@@ -392,3 +392,23 @@ def test_the_job_store_listens_on_the_jobs_address_only():
     assert _listening_addresses(port) == {"0100007F"}  # 127.0.0.1, not 00000000 (all interfaces)
     generator.signal("ready")
     trainer.wait_signal("ready")
+
+
+def test_the_store_host_ends_only_after_every_other_task_stopped_its_monitor():
+    """Pins: a task 0 that ends (and takes the job's store with it) while another task's monitor
+    still polls the store: that monitor reads the loss as task 0's death and fails its task, or,
+    caught inside a store call by the interpreter's exit, aborts the process."""
+    from hpcrl.distributed import free_port
+    from hpcrl.roles import ControlPlane, Layout
+
+    port = free_port()
+    trainer = ControlPlane("127.0.0.1", port, 0, Layout(1), stall_s=5, timeout_s=5, secret=b"k")
+    generator = ControlPlane("127.0.0.1", port, 1, Layout(1), stall_s=5, timeout_s=5, secret=b"k")
+    generator.start_monitor()
+    closed = threading.Event()
+    threading.Thread(target=lambda: (trainer.close(), closed.set()), daemon=True).start()
+    assert not closed.wait(1.5)  # the generator's monitor still runs: task 0 waits
+    watcher = generator._monitor_thread
+    generator.stop_monitor()
+    assert not watcher.is_alive()  # joined: no store call left in flight
+    assert closed.wait(5)
