@@ -367,6 +367,7 @@ def replay(run_dir: Path, iteration: int, stage: str, sets: tuple[str, ...], out
 main.add_command(cli_retention.pin)
 main.add_command(cli_status.status)
 
+
 def entry() -> None:
     """The `hpcrl` command: `main`, with an exit that skips the interpreter's last garbage collection
     (see hpcrl.stage.skip_final_collection: 2 s after a run, whose pre-flight imported transformers)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -253,7 +253,7 @@ def tokenizer_facts(exp: Experiment) -> tuple[TokenizerFacts, object | None]:
         pass
     tokenizer = load_tokenizer(exp)
     facts = TokenizerFacts(len(tokenizer), tokenizer.eos_token_id)
-    _cache_write(cache, lambda tmp: tmp.write_text(json.dumps(facts.__dict__)))
+    _cache_write(cache, lambda tmp: tmp.write_text(json.dumps(asdict(facts))))
     return facts, tokenizer
 
 
