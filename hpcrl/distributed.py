@@ -11,6 +11,8 @@ import os
 import socket
 from datetime import timedelta
 
+from hpcrl.jit_ops import import_deepspeed
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -94,10 +96,8 @@ def init(timeout_s: float = 1800) -> tuple[int, int]:
         # Share the cores among the ranks of this node instead of oversubscribing them.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend=default_backend(cuda), timeout=timedelta(seconds=timeout_s),
-                               verbose=False)
+    import_deepspeed().init_distributed(dist_backend=default_backend(cuda), verbose=False,
+                                        timeout=timedelta(seconds=timeout_s))
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 

@@ -32,6 +32,7 @@ import torch
 
 from hpcrl import batches, losses
 from hpcrl.batches import MicroBatch
+from hpcrl.jit_ops import import_deepspeed
 
 
 def register(model: torch.nn.Module, n: int, micro_batch_size: int):
@@ -40,14 +41,13 @@ def register(model: torch.nn.Module, n: int, micro_batch_size: int):
     Registering again (a resident trainer's next actor) wraps the original attention again."""
     if n == 1:
         return None
-    import deepspeed
     import torch.distributed as dist
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     # DeepSpeed's groups are made through its own comm layer, which wraps the process group the
     # resident trainers made themselves (a stage job's is made by DeepSpeed already)
-    deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+    import_deepspeed().init_distributed(dist_backend=dist.get_backend(), verbose=False)
     impl = model.config._attn_implementation
     original = _ORIGINAL.setdefault(impl, ALL_ATTENTION_FUNCTIONS[impl])
     # DeepSpeed wraps what the key holds now and puts its wrapper there

@@ -19,6 +19,7 @@ from hpcrl import batches, lora, losses
 from hpcrl.batches import MicroBatch, Samples, micro_batches, response_outputs, response_values
 from hpcrl.config import Experiment
 from hpcrl.config_training import UpdateConfig, deepspeed_stage
+from hpcrl.jit_ops import import_deepspeed
 
 DS_TAG = "state"
 
@@ -58,8 +59,7 @@ def _offload(u: UpdateConfig) -> dict:
 def make_engine(model, lr: float, exp: Experiment, world_size: int, grad_accum: int, state_dir: Path | None,
                 what: str = "policy"):
     """A DeepSpeed engine over `model` with AdamW at `lr`, restored from `state_dir` when given."""
-    import deepspeed
-
+    deepspeed = import_deepspeed()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=exp.update.weight_decay)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,

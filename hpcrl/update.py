@@ -19,6 +19,7 @@ import torch
 
 from hpcrl import advantages, agreement, batches, commit, kl_control, losses, preemption, trainer
 from hpcrl.actor import Actor, StepInputs
+from hpcrl.jit_ops import import_deepspeed
 from hpcrl.kl_control import KLControl
 from hpcrl.schemas import UPDATE_STATS
 from hpcrl.stage import Stage, StageContext
@@ -55,7 +56,7 @@ class UpdateStage(Stage):
     actor: Actor | None = None
 
     def startup(self) -> None:
-        import deepspeed  # noqa: F401  (its import cost is process start-up, not model loading)
+        import_deepspeed()  # its import cost is process start-up, not model loading
 
     def setup(self, version: int, seed: int = 0) -> None:
         if self.exp.update.backend == "megatron":

@@ -133,7 +133,6 @@ def case(length: int, feature: str, repeats: int, rows: int = 1) -> dict:
 def _sp_rank(rank: int, n: int, port: int, length: int, parts: list[str], repeats: int, rows: int,
              out: str) -> None:
     """One rank of a sequence-parallel case (gloo on CPU, NCCL on GPUs): its measure into out/<rank>.json."""
-    import deepspeed
     import torch
 
     from hpcrl import distributed, sequence_parallel
@@ -144,8 +143,8 @@ def _sp_rank(rank: int, n: int, port: int, length: int, parts: list[str], repeat
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
-    deepspeed.init_distributed(dist_backend=distributed.default_backend(torch.cuda.is_available()),
-                               verbose=False)
+    distributed.import_deepspeed().init_distributed(
+        dist_backend=distributed.default_backend(torch.cuda.is_available()), verbose=False)
     model, mb, tokens = _setup(length, parts, rows)
     group = sequence_parallel.register(model, n, 1 if "packed" in parts else rows)
     (Path(out) / f"{rank}.json").write_text(json.dumps(_measure(model, mb, tokens, repeats, group)))

@@ -107,7 +107,9 @@ def check_bf16_update() -> str:
     master weights, fp32 gradient accumulation)."""
     if importlib.util.find_spec("deepspeed") is None:
         raise Skip("DeepSpeed is not installed here")
-    import deepspeed
+    from hpcrl.jit_ops import import_deepspeed
+
+    deepspeed = import_deepspeed()
 
     from hpcrl.distributed import free_port
 
@@ -139,7 +141,9 @@ def check_trainer_release() -> str:
     brings every weight back unchanged."""
     if importlib.util.find_spec("deepspeed") is None:
         raise Skip("DeepSpeed is not installed here")
-    import deepspeed
+    from hpcrl.jit_ops import import_deepspeed
+
+    deepspeed = import_deepspeed()
 
     from hpcrl import trainer
     from hpcrl.distributed import free_port
