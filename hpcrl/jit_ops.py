@@ -28,7 +28,8 @@ def build_directory(name: str) -> Path:
     """Where torch builds (and finds) the extension `name`."""
     from torch.utils import cpp_extension
 
-    # private, but the one place that knows the layout ($TORCH_EXTENSIONS_DIR/py311_cpu/<name>)
+    # private, but the one place that knows the layout: ~/.cache/torch_extensions/py311_cpu/<name>,
+    # or $TORCH_EXTENSIONS_DIR/<name>
     return Path(cpp_extension._get_build_directory(name, verbose=False))
 
 
