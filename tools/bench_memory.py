@@ -135,7 +135,7 @@ def _sp_rank(rank: int, n: int, port: int, length: int, parts: list[str], repeat
     """One rank of a sequence-parallel case (gloo on CPU, NCCL on GPUs): its measure into out/<rank>.json."""
     import torch
 
-    from hpcrl import distributed, sequence_parallel
+    from hpcrl import distributed, jit_ops, sequence_parallel
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -143,7 +143,7 @@ def _sp_rank(rank: int, n: int, port: int, length: int, parts: list[str], repeat
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
-    distributed.import_deepspeed().init_distributed(
+    jit_ops.import_deepspeed().init_distributed(
         dist_backend=distributed.default_backend(torch.cuda.is_available()), verbose=False)
     model, mb, tokens = _setup(length, parts, rows)
     group = sequence_parallel.register(model, n, 1 if "packed" in parts else rows)
