@@ -51,6 +51,11 @@ class Generator:
         self.started: set[int] = set()  # the updates this job commanded
         self.uncommitted: set[int] = set()  # those whose commit it has not seen yet
         self.made_by: int | None = None  # the uncommitted update the next generation waits for
+        # trainer 0 sends an update's weights as soon as it ends, not when a generation needs them
+        # (hpcrl.resident_trainer), where the transport holds them until loaded (it does not stream)
+        streams = transports.TRANSPORTS[self.sync.transport].streams
+        self.presend = exp.algorithm.max_staleness > 0 and not streams
+        self.loads = 0  # the weight sends every engine has loaded (`loaded/<n>` for trainer 0)
 
     def drive(self) -> None:
         try:
@@ -124,6 +129,7 @@ class Generator:
         metrics = check(generation.sequence_logprobs(self.llm, self.probe))
         for e, answer in enumerate(self.fleet.wait(others), 1):
             check(answer["probe"], f"engine {e}: ")
+        self._loaded()
         nbytes = float(reply["handoff"]["bytes"])
         print(f"[resident] the engines took policy version {self.base} from trainer 0 ({nbytes / 1e6:.1f} MB "
               f"in {sync_s:.2f} s); trainer and vLLM agree on the probe: "
@@ -156,7 +162,7 @@ class Generator:
         the trainers update (its weights are loaded when a generation needs them: `_hold`)."""
         if self.colocated:  # free vLLM's GPU memory (weights and KV cache) for the update
             self.llm.sleep(level=2)
-        seq = self.plane.send({"op": UPDATE, "iteration": k, "probe": self.probe,
+        seq = self.plane.send({"op": UPDATE, "iteration": k, "probe": self.probe, "presend": self.presend,
                                "checkpoint": resident_sync.checkpoint_due(self.exp, k)})
         self.inflight.append((k, seq))
         self.started.add(k)
@@ -166,7 +172,8 @@ class Generator:
         """The oldest update in flight: its weights into every engine, then the probe check on each."""
         k, seq = self.inflight.popleft()
         self._load_saved(k)  # the update's own starting point (only a resumed run's engine lacks it)
-        self.plane.signal(f"receive/{k}")  # trainer 0 sends only now: no collective waits on a generation
+        if not self.presend:  # trainer 0 sends only now: no collective waits on a generation
+            self.plane.signal(f"receive/{k}")
         # through the update on the control plane: vLLM's weights stay asleep, and its receive is
         # posted only when trainer 0 sends (not under the NCCL watchdog for the whole update)
         self.plane.wait_signal(f"sending/{k}")
@@ -187,9 +194,15 @@ class Generator:
         metrics["sync/probe_s"] = time.perf_counter() - t0
         for e, answer in enumerate(self.fleet.wait(others), 1):  # theirs, computed beside the leader's
             self._check_probe(answer["probe"], reply, k + 1, f"engine {e}: ")
+        self._loaded()
         nbytes = float(reply["handoff"]["bytes"])
         self.gen.metrics = {**metrics, "sync/seconds": sync_s, "sync/bytes": nbytes,
                             "sync/gb_per_s": nbytes / max(sync_s, 1e-9) / 1e9}
+
+    def _loaded(self) -> None:
+        """Every engine holds the weights of the last send: trainer 0 may rewrite what it sent."""
+        self.loads += 1
+        self.plane.signal(f"loaded/{self.loads}")
 
     def _check_probe(self, engine_lp: list, reply: dict, version: int, who: str = "") -> dict:
         tol = weight_sync.probe_tolerance(self.exp.executor.resident.sync_check_tol, self.exp.model.dtype)

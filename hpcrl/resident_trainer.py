@@ -1,7 +1,12 @@
 """A trainer rank of the resident job (hpcrl.resident): it keeps the update stage object (a live
 DeepSpeed engine) for the run, updates on the generator's command, hands the weights it starts
-from and each update's new weights to the engines when the generator asks for them, and commits
-each update (with its checkpoint when due)."""
+from and each update's new weights to the engines, and commits each update (with its checkpoint
+when due).
+
+An update's weights go out when the generator asks for them (between two of its generations), or,
+when the update command says `presend` (asynchronous generation over a transport that does not
+stream: a shared buffer or files), as soon as the engines have loaded the previous ones out of that
+buffer: the send then runs while the generator samples, not while it waits."""
 
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ class Trainer:
                 print("[resident] colocated: the trainers' state is in CPU memory whenever vLLM is awake",
                       flush=True)
         self.last_probe = None
+        self.sends = 0  # the weight sends so far; the engines signal `loaded/<n>` once they hold send n
         self.committer: threading.Thread | None = None
         self.commit_error: BaseException | None = None
         self.sync = transports.make(setup) if setup is not None else None
@@ -68,7 +74,7 @@ class Trainer:
             if cmd["op"] == "start":
                 self._start(cmd["probe"])
                 continue
-            self._update(cmd["iteration"], cmd["checkpoint"], cmd["probe"])
+            self._update(cmd["iteration"], cmd["checkpoint"], cmd["probe"], cmd.get("presend", False))
         if self.sync is not None:
             self.sync.close()
         dist.destroy_process_group()
@@ -89,6 +95,7 @@ class Trainer:
         layer's gather under ZeRO-3): the handoff the engines load and the seconds it took. For
         the update of iteration `k`, the generator is told first (it wakes vLLM's weights)."""
         t0 = time.perf_counter()
+        self.sends += 1
         # with LoRA: every weight (bases and adapters) at the start, only the adapters after an update
         if self.colocated:  # vLLM's weights wake beside the trainer's, with nothing else of it
             self.actor.release(keep_weights=True)
@@ -104,7 +111,7 @@ class Trainer:
         reply["send_s"] = time.perf_counter() - t0
         return reply
 
-    def _update(self, k: int, checkpoint: bool, probe: list[list[int]]) -> None:
+    def _update(self, k: int, checkpoint: bool, probe: list[list[int]], presend: bool = False) -> None:
         if self.colocated:  # vLLM sleeps through the update
             self.actor.restore()
         # the probe under the current weights: the previous update's "new", or computed once
@@ -117,9 +124,10 @@ class Trainer:
                 self._commit(attempt, k, checkpoint)
         new = self.last_probe = self.actor.sequence_logprobs(probe)
         reply = {"probe_old": old, "probe_new": new}
-        # every rank waits until the generator is between two generations (with max_staleness > 0
-        # that may be a whole generation away): no collective of the trainers is held meanwhile
-        self.plane.wait_signal(f"receive/{k}")
+        # every rank waits (no collective of the trainers is held meanwhile) until the generator is
+        # between two generations (with max_staleness > 0 that may be a whole generation away), or,
+        # presending, until the engines no longer read the buffer this send rewrites
+        self.plane.wait_signal(f"loaded/{self.sends}" if presend else f"receive/{k}")
         reply.update(self._send_weights(k))
         if self.rank == 0:
             self.plane.reply(reply)

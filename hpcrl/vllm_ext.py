@@ -12,8 +12,39 @@ layer as it is, logging that at debug level only).
 
 from __future__ import annotations
 
+import collections
+import logging
 import time
 from dataclasses import replace
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class ExpectedReloadWarnings(logging.Filter):
+    """Drops vLLM's "<layer>: Failed to load weights", which its reload logs on every sync for each
+    layer no checkpoint holds weights of (`quiet_layers`). Every other layer's still reaches the
+    log; the probe after each sync checks what the engine computes either way."""
+
+    def __init__(self, layers: frozenset[str]):
+        super().__init__()
+        self.layers = layers
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        layer = record.args[0] if isinstance(record.args, tuple) and record.args else None
+        return not (record.msg == "%s: Failed to load weights" and layer in self.layers)
+
+
+def quiet_layers(model) -> frozenset[str]:
+    """The class names of the layers whose own tensors no checkpoint holds: buffers only (a rotary
+    cache, an embedding scale) or parameters all shared with another layer (a tied head, sent once
+    as the embedding and refreshed by `refresh_cpu_copies`); none that any layer of its own has."""
+    owners = collections.Counter(id(p) for m in model.modules() for p in m._parameters.values()
+                                 if p is not None)
+    quiet, loud = set(), set()
+    for module in model.modules():
+        own = [p for p in module._parameters.values() if p is not None]
+        (quiet if all(owners[id(p)] > 1 for p in own) else loud).add(type(module).__name__)
+    return frozenset(quiet - loud)
 
 
 class WeightReceiver:
@@ -24,6 +55,10 @@ class WeightReceiver:
         returns this worker's rank in the weight-sync group."""
         from hpcrl import transports
 
+        reload_log = logging.getLogger(RELOAD_LOGGER)  # this engine's filter, in place of an earlier one's
+        for old in [f for f in reload_log.filters if isinstance(f, ExpectedReloadWarnings)]:
+            reload_log.removeFilter(old)
+        reload_log.addFilter(ExpectedReloadWarnings(quiet_layers(self.model_runner.get_model())))
         tp_rank = getattr(self, "rank", 0) or 0
         device = str(self.device) if setup.get("backend") == "nccl" else "cpu"
         self._hpcrl_transport = transports.make(setup)
