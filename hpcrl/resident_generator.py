@@ -115,7 +115,7 @@ class Generator:
         if self.colocated:
             self.plane.wait_signal("sending/start")
             self.llm.wake_up(tags=["weights"])
-        reply, sync_s, others = self._load_weights(seq, self.base)
+        reply, sync, others = self._load_weights(seq, self.base, time.perf_counter())
         if self.colocated:
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
@@ -132,9 +132,9 @@ class Generator:
         self._loaded()
         nbytes = float(reply["handoff"]["bytes"])
         print(f"[resident] the engines took policy version {self.base} from trainer 0 ({nbytes / 1e6:.1f} MB "
-              f"in {sync_s:.2f} s); trainer and vLLM agree on the probe: "
+              f"in {sync['seconds']:.2f} s); trainer and vLLM agree on the probe: "
               f"{metrics['sync/start_logp_diff']:.1e} (tolerance {tol:.0e})", flush=True)
-        self.gen.metrics = {**metrics, "sync/start_seconds": sync_s, "sync/start_bytes": nbytes}
+        self.gen.metrics = {**metrics, "sync/start_seconds": sync["seconds"], "sync/start_bytes": nbytes}
         self.noise = metrics["sync/start_logp_diff"]  # what the probe cannot resolve (check_probe)
 
     def _next_stage(self) -> tuple[int, str] | None:
@@ -176,10 +176,11 @@ class Generator:
             self.plane.signal(f"receive/{k}")
         # through the update on the control plane: vLLM's weights stay asleep, and its receive is
         # posted only when trainer 0 sends (not under the NCCL watchdog for the whole update)
+        waited = time.perf_counter()
         self.plane.wait_signal(f"sending/{k}")
         if self.colocated:
             self.llm.wake_up(tags=["weights"])
-        reply, sync_s, others = self._load_weights(seq, k + 1)
+        reply, sync, others = self._load_weights(seq, k + 1, waited)
         if self.colocated:  # after the reply: trainer 0 has released its weights
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
@@ -196,8 +197,8 @@ class Generator:
             self._check_probe(answer["probe"], reply, k + 1, f"engine {e}: ")
         self._loaded()
         nbytes = float(reply["handoff"]["bytes"])
-        self.gen.metrics = {**metrics, "sync/seconds": sync_s, "sync/bytes": nbytes,
-                            "sync/gb_per_s": nbytes / max(sync_s, 1e-9) / 1e9}
+        self.gen.metrics = {**metrics, **{f"sync/{name}": v for name, v in sync.items()},
+                            "sync/bytes": nbytes, "sync/gb_per_s": nbytes / max(sync["seconds"], 1e-9) / 1e9}
 
     def _loaded(self) -> None:
         """Every engine holds the weights of the last send: trainer 0 may rewrite what it sent."""
@@ -221,20 +222,25 @@ class Generator:
         self.fleet.wait(sent)
         print(f"[resident] the engines loaded the saved policy version {version}", flush=True)
 
-    def _load_weights(self, seq: int, version: int) -> tuple[dict, float, list]:
+    def _load_weights(self, seq: int, version: int, waited: float) -> tuple[dict, dict, list]:
         """The trainer's reply to update command `seq` once engine 0 holds the new weights, the
-        sync's seconds (trainer 0's gather and send, plus what engine 0's load adds after it), and
-        the sync commands of the other engines, which load from the same send."""
+        sync's timings, and the sync commands of the other engines, which load from the same send.
+        Timings: `seconds` (trainer 0's gather and send, plus what engine 0's load adds after it),
+        `wait_s` (since `waited`, until engine 0 could start loading: the send, unless it
+        streams or came before) and `load_s` (engine 0's load call)."""
         command = {"op": "sync", "version": version, "probe": self.probe}
         if transports.TRANSPORTS[self.sync.transport].streams:  # loaded as the buckets arrive
             others = self.fleet.send({**command, "handoff": None})  # every engine receives the one send
+            start = time.perf_counter()
             self.llm.collective_rpc("hpcrl_load_weights",
                                     args=(transports.Handoff(self.sync.transport).as_dict(),))
             t0 = time.perf_counter()
             reply = self.plane.wait_reply(seq)
         else:
             reply = self.plane.wait_reply(seq)
-            t0 = time.perf_counter()
+            t0 = start = time.perf_counter()
             others = self.fleet.send({**command, "handoff": reply["handoff"]})
             self.llm.collective_rpc("hpcrl_load_weights", args=(reply["handoff"],))
-        return reply, reply["send_s"] + time.perf_counter() - t0, others
+        end = time.perf_counter()
+        timings = {"seconds": reply["send_s"] + end - t0, "wait_s": start - waited, "load_s": end - start}
+        return reply, timings, others

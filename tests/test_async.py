@@ -222,6 +222,9 @@ def test_two_resident_engines_commit_what_one_does_even_when_one_is_killed(resid
     _like_one_engine(resident_async, run, exp, n=4)
     synced = commit.read_manifest(run.stage_dir(2, GENERATE))["metrics"]
     assert synced["sync/logp_diff"] < 1e-4 < synced["sync/update_shift"]
+    # shared memory: trainer 0 presends, the engine loads what it finds (its wait, its load, then the probe)
+    assert synced["sync/wait_s"] >= 0 and 0 < synced["sync/load_s"] <= synced["sync/seconds"], synced
+    assert 0 < synced["sync/probe_s"], synced
 
 
 def _logs(run: RunDir) -> str:
@@ -270,3 +273,6 @@ def test_a_resident_async_run_killed_and_resumed_commits_what_the_staged_does(st
         assert mine.num_rows == 8 and mine.equals(pq.read_table(again / f"{table}.parquet")), stage
     synced = commit.read_manifest(run.stage_dir(2, GENERATE))["metrics"]
     assert synced["sync/logp_diff"] < 1e-4 < synced["sync/update_shift"]
+    # shared memory: trainer 0 presends, the engine loads what it finds (its wait, its load, then the probe)
+    assert synced["sync/wait_s"] >= 0 and 0 < synced["sync/load_s"] <= synced["sync/seconds"], synced
+    assert 0 < synced["sync/probe_s"], synced

@@ -627,3 +627,16 @@ def test_a_model_the_megatron_layout_does_not_split_is_refused_before_any_job(wr
     with pytest.raises(ConfigError, match=r"update\.megatron: .*: num_key_value_heads=4 does not split "
                                           r"evenly over 8 tensor-parallel ranks"):
         preflight.check(exp, "e.toml")
+
+
+def test_a_config_rewritten_in_place_is_read_again_and_loads_share_nothing(write_experiment):
+    """config.load parses each text once (a resident job's stages load the run's config every
+    iteration): a file rewritten within the same clock tick, to the same length, must still be read
+    as it is now, and what one load returns must not leak into the next."""
+    path = write_experiment(update={"lr": 1e-4})
+    first = config.load(path)
+    path.write_text(path.read_text().replace("lr = 0.0001", "lr = 0.0002"))
+    assert config.load(path).update.lr == 2e-4
+    first.reward.functions.append("my_rewards:extra")
+    path.write_text(path.read_text().replace("lr = 0.0002", "lr = 0.0001"))
+    assert config.load(path).reward.functions == ["hpcrl.rewards:exact_match"]

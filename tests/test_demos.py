@@ -60,10 +60,12 @@ def test_grpo_demo_learns_the_task(tiny_task, tmp_path):
     assert "run complete" in out
 
 
-@pytest.mark.parametrize(("loss", "lr"), [("gspo", 2e-4), ("cispo", 3e-4)], ids=["gspo", "cispo"])
+@pytest.mark.parametrize(("loss", "lr"), [("gspo", 2e-4), ("cispo", 1.5e-4)], ids=["gspo", "cispo"])
 def test_the_demo_learns_with_gspo_and_cispo(loss, lr, tiny_task, tmp_path):
-    """cispo at 1.5x the demo's learning rate: at the demo's own its gain stays within a few
-    hundredths of the acceptance (0.29 measured; 0.35 at 1.5x)."""
+    """cispo at 0.75x the demo's learning rate: its clipped weight carries no gradient, so no
+    token's update stops at the clip, and at the demo's rate the gain moves around the acceptance
+    with the CPU's rounding (0.29 and 0.31 on two Xeons, 0.26 and 0.16 at 1.5x and 2x); at 0.75x
+    the reward climbs steadily (0.46 on an AMX Xeon, 0.43 at 0.6x)."""
     exp, table, out = run_demo("demo.toml", tiny_task, tmp_path, quiet=False, algorithm__policy_loss=loss,
                                update__lr=lr)
     assert exp.algorithm.policy_loss == loss

@@ -13,6 +13,13 @@ shared buffer; the last one saves the final checkpoint); samples per second = th
 over it. Utilisation per role is busy / allocated device-seconds
 from the stages' manifests (hpcrl.utilisation) over the same iterations; "mean" is the
 device-weighted total.
+
+A second table splits the generator's allocated time per iteration: busy (sampling and rewards),
+waiting for trainer 0's weights (sync/wait_s), loading them into vLLM (sync/load_s), the probe
+(sync/probe_s), and the rest (the stages' reads, writes and commits, the score stage's
+bookkeeping). The generator cannot go faster than busy + load + probe per iteration (both on
+its device, between two generations), which bounds the mean utilisation at s >= 1 by
+(generator busy + trainer busy) / (2 x that floor).
 """
 
 from __future__ import annotations
@@ -64,7 +71,23 @@ def measure(exp: config.Experiment) -> dict[str, float]:
     for role, usage in (("generator", roles.get("generator")), ("trainer", roles.get("trainer")),
                         ("mean", utilisation.total(roles))):
         row[role] = usage.utilisation if usage is not None and usage.utilisation is not None else float("nan")
-    return row
+    return {**row, **generator_split(manifests, roles, len(steady))}
+
+
+def generator_split(manifests: list[dict], roles: dict, iterations: int) -> dict[str, float]:
+    """The generator's allocated seconds per iteration, split (module docstring), and the bound on
+    the mean utilisation its floor (busy + load + probe) sets."""
+    gen, trainer = roles.get("generator"), roles.get("trainer")
+    if gen is None or trainer is None:
+        return {}
+    generations = [m["metrics"] for m in manifests if m and m["stage"] == "generate"]
+    sync = {name: sum(g.get(f"sync/{name}", 0.0) for g in generations) / iterations
+            for name in ("wait_s", "load_s", "probe_s")}
+    busy, allocated = gen.busy / iterations, gen.allocated / iterations
+    floor = busy + sync["load_s"] + sync["probe_s"]
+    return {"gen busy": busy, "gen wait": sync["wait_s"], "gen load": sync["load_s"],
+            "gen probe": sync["probe_s"], "gen rest": allocated - busy - sum(sync.values()),
+            "bound": (gen.busy + trainer.busy) / iterations / (2 * floor)}
 
 
 def main() -> None:
@@ -99,6 +122,23 @@ def main() -> None:
             print(f"| {model} | {s} | {row['iteration']:.2f} | {row['samples/s']:.1f} "
                   f"| {row['generator']:.0%} | {row['trainer']:.0%} | {row['mean']:.0%} "
                   f"| {row['samples/s'] / base:.2f}x |")
+    print_split(args.models.split(","), [s for s in levels if s > 0], results)
+
+
+SPLIT = ("gen busy", "gen wait", "gen load", "gen probe", "gen rest", "bound")
+
+
+def print_split(models: list[str], levels: list[int], results: dict) -> None:
+    """Where the generator's time goes at each s > 0, and the bound its floor sets (docstring)."""
+    print("\ngenerator's allocated ms per iteration (medians); bound = the most mean utilisation its floor "
+          "(busy + load + probe) allows")
+    print("| model | max_staleness | busy | waiting for weights | loading them | probe | rest | bound |")
+    print("|---|---|---|---|---|---|---|---|")
+    for model in models:
+        for s in levels:
+            med = {c: statistics.median(r.get(c, float("nan")) for r in results[(model, s)]) for c in SPLIT}
+            ms = " | ".join(f"{med[c] * 1000:.1f}" for c in SPLIT[:-1])
+            print(f"| {model} | {s} | {ms} | {med['bound']:.0%} |")
 
 
 if __name__ == "__main__":
