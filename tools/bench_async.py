@@ -17,9 +17,9 @@ device-weighted total.
 A second table splits the generator's allocated time per iteration: busy (sampling and rewards),
 waiting for trainer 0's weights (sync/wait_s), loading them into vLLM (sync/load_s), the probe
 (sync/probe_s), and the rest (the stages' reads, writes and commits, the score stage's
-bookkeeping). The generator cannot go faster than busy + load + probe per iteration (both on
-its device, between two generations), which bounds the mean utilisation at s >= 1 by
-(generator busy + trainer busy) / (2 x that floor).
+bookkeeping). An iteration takes at least the generator's floor, busy + load + probe (all on
+its device, between two generations), and at least the trainer's busy time, which bounds the
+mean utilisation by (generator busy + trainer busy) / (2 x the longer of the two).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def measure(exp: config.Experiment) -> dict[str, float]:
 
 def generator_split(manifests: list[dict], roles: dict, iterations: int) -> dict[str, float]:
     """The generator's allocated seconds per iteration, split (module docstring), and the bound on
-    the mean utilisation its floor (busy + load + probe) sets."""
+    the mean utilisation that its floor (busy + load + probe) and the trainer's busy time set."""
     gen, trainer = roles.get("generator"), roles.get("trainer")
     if gen is None or trainer is None:
         return {}
@@ -84,7 +84,7 @@ def generator_split(manifests: list[dict], roles: dict, iterations: int) -> dict
     sync = {name: sum(g.get(f"sync/{name}", 0.0) for g in generations) / iterations
             for name in ("wait_s", "load_s", "probe_s")}
     busy, allocated = gen.busy / iterations, gen.allocated / iterations
-    floor = busy + sync["load_s"] + sync["probe_s"]
+    floor = max(busy + sync["load_s"] + sync["probe_s"], trainer.busy / iterations)
     return {"gen busy": busy, "gen wait": sync["wait_s"], "gen load": sync["load_s"],
             "gen probe": sync["probe_s"], "gen rest": allocated - busy - sum(sync.values()),
             "bound": (gen.busy + trainer.busy) / iterations / (2 * floor)}
@@ -130,8 +130,8 @@ SPLIT = ("gen busy", "gen wait", "gen load", "gen probe", "gen rest", "bound")
 
 def print_split(models: list[str], levels: list[int], results: dict) -> None:
     """Where the generator's time goes at each s > 0, and the bound its floor sets (docstring)."""
-    print("\ngenerator's allocated ms per iteration (medians); bound = the most mean utilisation its floor "
-          "(busy + load + probe) allows")
+    print("\ngenerator's allocated ms per iteration (medians); bound = the most mean utilisation an "
+          "iteration no shorter than the generator's busy + load + probe, nor the trainer's busy, allows")
     print("| model | max_staleness | busy | waiting for weights | loading them | probe | rest | bound |")
     print("|---|---|---|---|---|---|---|---|")
     for model in models:
