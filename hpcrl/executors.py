@@ -244,7 +244,8 @@ class LocalExecutor:
     def submit(self, stage: str, iteration: int | None, after: Sequence[StageJob] = ()) -> StageJob:
         timeout = (self.exp.executor.resident.time_min if stage == "resident"
                    else self.exp.executor.timeout_min)
-        self._ex.update_parameters(timeout_min=timeout, tasks_per_node=tasks_for(self.exp, stage))
+        self._ex.update_parameters(timeout_min=timeout, tasks_per_node=tasks_for(self.exp, stage),
+                                   **local_gpus(self.exp, stage))
         # The ranks of a local job meet on a port free now (submitit would derive one from the pid).
         saved = os.environ.get("MASTER_PORT")
         os.environ["MASTER_PORT"] = str(free_port())
@@ -256,6 +257,18 @@ class LocalExecutor:
             else:
                 os.environ["MASTER_PORT"] = saved
         return StageJob(job, stage, iteration)
+
+
+def local_gpus(exp: Experiment, stage: str, visible: str | None = None) -> dict:
+    """submitit's GPU parameters of a local stage job: executor.<stage>.gpus_per_node of the GPUs
+    this process sees (CUDA_VISIBLE_DEVICES, by index; all of the machine's when unset). submitit
+    sets the job's CUDA_VISIBLE_DEVICES to them: none for a role with no GPUs, as on Slurm.
+    hpcrl.preflight checks that the machine has them."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    params: dict = {"gpus_per_node": getattr(exp.executor, stage).gpus_per_node}
+    if visible is not None and params["gpus_per_node"]:
+        params["visible_gpus"] = [int(v) for v in visible.split(",") if v.strip()]
+    return params
 
 
 class SlurmExecutor:

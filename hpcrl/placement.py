@@ -86,12 +86,14 @@ def heterogeneous_plan(trainers: int, tp: int, nodes: int, gpus_per_node: int,
 
 
 def plan(exp: Experiment) -> list[Slot] | None:
-    """The resident job's placement on a Slurm cluster with GPUs; None where there is none to make
-    (CPU, the local executor, the staged mode, whose jobs each use all of their GPUs)."""
+    """The resident job's placement on its GPUs (a Slurm job's nodes, or this machine for the local
+    executor); None where there is none to make (CPU, the staged mode, whose jobs each use all of
+    their GPUs)."""
     ex = exp.executor
-    if ex.kind != "slurm" or ex.mode != "resident":
+    if ex.mode != "resident":
         return None
-    r, g, w, tp = ex.resident, ex.resident.generator, exp.update.world_size, exp.generate.tensor_parallel_size
+    r, w, tp = ex.resident, exp.update.world_size, exp.generate.tensor_parallel_size
+    g = r.generator if ex.kind == "slurm" else None  # the local executor has one node
     if g is not None and (r.gpus_per_node or g.gpus_per_node):
         return heterogeneous_plan(w, tp, r.nodes, r.gpus_per_node, g.gpus_per_node)
     if g is None and r.gpus_per_node:
@@ -100,15 +102,15 @@ def plan(exp: Experiment) -> list[Slot] | None:
 
 
 def staged_plans(exp: Experiment) -> dict[str, list[Slot]]:
-    """The GPUs of each staged job's tasks on a Slurm cluster: the update's ranks one each (a rank
-    selects its GPU by its local rank), vLLM its tensor-parallel group; PlacementError where a job
-    has too few."""
+    """The GPUs of each staged job's tasks (on Slurm, or on this machine for the local executor):
+    the update's ranks one each (a rank selects its GPU by its local rank), vLLM its
+    tensor-parallel group; PlacementError where a job has too few."""
     ex, plans = exp.executor, {}
-    if ex.kind != "slurm" or ex.mode != "staged":
+    if ex.mode != "staged":
         return plans
     u, g = ex.update, ex.generate
     if u.gpus_per_node:
-        per_node = exp.update.world_size // u.nodes
+        per_node = exp.update.world_size // (u.nodes if ex.kind == "slurm" else 1)
         if per_node > u.gpus_per_node:
             raise PlacementError(f"executor.update.gpus_per_node: {per_node} update ranks per node (update."
                                  f"world_size = {exp.update.world_size} over {u.nodes} nodes) need one GPU "
@@ -116,10 +118,10 @@ def staged_plans(exp: Experiment) -> dict[str, list[Slot]]:
         plans[UPDATE] = [Slot(r, f"trainer {r}", r // per_node, (r % per_node,))
                            for r in range(exp.update.world_size)]
     if g.gpus_per_node:
-        tp = exp.generate.tensor_parallel_size
-        if tp > g.gpus_per_node * g.nodes:
+        tp, gpus = exp.generate.tensor_parallel_size, g.gpus_per_node * (g.nodes if ex.kind == "slurm" else 1)
+        if tp > gpus:
             raise PlacementError(f"executor.generate.gpus_per_node: generate.tensor_parallel_size = {tp} "
-                                 f"needs {tp} GPUs, but the generate job has {g.gpus_per_node * g.nodes}")
+                                 f"needs {tp} GPUs, but the generate job has {gpus}")
         plans[GENERATE] = [Slot(0, f"vLLM (TP {tp})", 0, tuple(range(tp)))]
     return plans
 

@@ -270,11 +270,29 @@ def _check_slurm(exp: Experiment) -> list[str]:
             sbatch.directives(executors.slurm_parameters(exp, role, exp.run.name), Path("logs"))
         except ConfigError as err:
             problems.append(str(err).replace("executor:", f"executor.{role}:", 1))
+    return problems
+
+
+def _check_gpus(exp: Experiment) -> list[str]:
+    """The jobs' tasks fit on their GPUs (hpcrl.placement), and the local executor's jobs ask for
+    no more GPUs than this machine shows (CUDA_VISIBLE_DEVICES, by index)."""
     try:
         placement.describe(exp)
     except placement.PlacementError as err:
-        problems.append(str(err))
-    return problems
+        return [str(err)]
+    roles = ("resident",) if exp.executor.mode == "resident" else ORDER
+    wanted = {role: getattr(exp.executor, role).gpus_per_node for role in roles}
+    if exp.executor.kind != "local" or not any(wanted.values()):
+        return []
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible and not all(v.strip().isdigit() for v in visible.split(",")):
+        return [f"executor.{next(r for r, n in wanted.items() if n)}.gpus_per_node: the local executor hands "
+                f"its jobs GPUs by index, but CUDA_VISIBLE_DEVICES={visible} names them otherwise"]
+    have = torch.cuda.device_count()  # NVML where it can: no CUDA context in this process
+    return [f"executor.{role}.gpus_per_node = {n}: the local executor runs the job on this machine, which "
+            f"shows {have} GPU(s)" for role, n in wanted.items() if n > have]
 
 
 def _check_runs_root(run: RunConfig) -> list[str]:
@@ -329,7 +347,8 @@ def check(exp: Experiment, source: str) -> list[str]:
     problems += (tok_problems + data_problems + _check_algorithm(exp.algorithm)
                  + _check_critic(exp.algorithm.critic) + _check_moe(exp, model_cfg) + _check_rewards(exp)
                  + _check_sequence_parallel(exp, model_cfg) + _check_megatron(exp, model_cfg)
-                 + _check_batch(exp) + _check_slurm(exp) + _check_memory(exp) + _check_colocation(exp))
+                 + _check_batch(exp) + _check_slurm(exp) + _check_gpus(exp) + _check_memory(exp)
+                 + _check_colocation(exp))
     if not problems:  # the disk budget is only worth a look for a run that can start
         disk_problems, disk_notes = disk_budget.check(exp)
         problems, notes = disk_problems, notes + disk_notes

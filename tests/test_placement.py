@@ -74,10 +74,67 @@ def test_each_task_binds_to_its_own_gpus(write_experiment, monkeypatch, task, vi
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
 
 
-def test_a_cpu_or_local_run_binds_nothing(write_experiment, monkeypatch):
+def test_a_cpu_run_binds_nothing(write_experiment, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     exp = _resident(write_experiment, gpus_per_node=0)
     assert placement.bind(exp, 0) is None and "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_a_local_resident_job_on_gpus_gives_each_task_its_own(write_experiment, monkeypatch):
+    """The local executor on a GPU machine: one node; its trainers and engine bind as on Slurm
+    (they all saw the same GPUs, so vLLM started on trainer 0's)."""
+    exp = config.with_overrides(_resident(write_experiment), {"executor.kind": "local"}, "test")
+    assert [s.gpus for s in placement.plan(exp)] == [(0,), (1,), (2,), (3, 4)]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,4,5,6")
+    placement.bind(exp, 3)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "5,6"
+
+
+def test_local_jobs_see_the_gpus_their_role_asks_for(write_experiment, monkeypatch, tmp_path):
+    """Found on an H200: a local run with executor.update.gpus_per_node = 1 updated on the CPU, as
+    submitit's LocalExecutor hid every GPU (it was never told of any). Now each job is given its
+    role's count, among the GPUs this process sees, by submitit itself."""
+    import submitit
+
+    from hpcrl import executors
+
+    exp = config.with_overrides(config.load(write_experiment("local")),
+                                {"executor.update.gpus_per_node": 2}, "test")
+    assert executors.local_gpus(exp, "generate", "5,7") == {"gpus_per_node": 0}  # a CPU role: none
+    assert executors.local_gpus(exp, "update", "5,7") == {"gpus_per_node": 2, "visible_gpus": [5, 7]}
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert executors.local_gpus(exp, "update") == {"gpus_per_node": 2}  # the machine's first two
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
+    seen = {}
+    for stage in ("update", "score"):
+        ex = submitit.LocalExecutor(folder=tmp_path / stage)
+        ex.update_parameters(timeout_min=1, **executors.local_gpus(exp, stage))
+        seen[stage] = ex.submit(os.getenv, "CUDA_VISIBLE_DEVICES").result()  # in the job
+    assert seen == {"update": "3,5", "score": ""}
+    from hpcrl.rundir import RunDir
+
+    asked = {}  # and hpcrl's local executor asks for them, per stage
+    monkeypatch.setattr(executors, "submit_all", lambda ex, calls: asked.update(ex.parameters))
+    executors.LocalExecutor(RunDir.at(tmp_path / "run"), exp).submit("update", 0)
+    assert (asked["gpus_per_node"], asked["visible_gpus"]) == (2, [3, 5, 7])
+
+
+def test_local_gpus_this_machine_lacks_are_refused_at_submit(write_experiment, monkeypatch):
+    import torch
+
+    from hpcrl import preflight
+
+    exp = config.with_overrides(config.load(write_experiment("local")),
+                                {"executor.update.gpus_per_node": 1}, "test")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert preflight._check_gpus(exp) == ["executor.update.gpus_per_node = 1: the local executor runs the "
+                                          "job on this machine, which shows 0 GPU(s)"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert preflight._check_gpus(exp) == []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8a1c")
+    assert "names them otherwise" in preflight._check_gpus(exp)[0]
+    assert preflight._check_gpus(config.with_overrides(exp, {"executor.update.gpus_per_node": 0}, "t")) == []
 
 
 def test_the_trainers_group_maps_cpu_tensors_to_gloo_on_gpus():

@@ -506,3 +506,25 @@ def test_a_bf16_update_keeps_fp32_master_weights_and_gradients(write_experiment)
     assert all(s["grad_norm"] > 0 for s in stats)
     base = load_file(run.policy_dir(0, config.load(run.config_path).model.path) / "model.safetensors")
     assert any(not torch.equal(v.float(), base[k].float()) for k, v in _weights(run).items())
+
+
+def test_a_policy_saved_from_gpu_memory_keeps_its_tied_weights_tied(tiny_task, monkeypatch, tmp_path):
+    """Found on an H200: the policy of an update on the GPU held 27 tensors, the same update's on a
+    CPU 26, as moving the state dict to CPU memory entry by entry copied the tied embedding and
+    lm_head.weight apart (save_pretrained keeps one of a tied pair only when they share memory).
+    A GPU tensor's `.cpu()` (a copy) is stood in for here."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl import trainer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_task / "model")
+    state = model.state_dict()
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *args, **kwargs: self.clone())
+    moved = trainer.to_cpu(state)
+    assert moved["lm_head.weight"] is moved["model.embed_tokens.weight"]
+    assert torch.equal(moved["lm_head.weight"], state["model.embed_tokens.weight"])
+    assert len({id(t) for t in moved.values()}) == len(state) - 1  # only the tied pair shares
+    model.save_pretrained(tmp_path, state_dict=moved, safe_serialization=True)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as saved:
+        assert "lm_head.weight" not in saved.keys() and len(saved.keys()) == len(state) - 1

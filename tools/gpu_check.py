@@ -137,8 +137,8 @@ def check_bf16_update() -> str:
 
 def check_trainer_release() -> str:
     """A colocated trainer's release (hpcrl.trainer.release: DeepSpeed's offload_states of a ZeRO-2
-    bf16 engine, LoRA's frozen base weights moved by hand) frees its device memory, and restore
-    brings every weight back unchanged."""
+    bf16 engine, LoRA's frozen base weights moved by hand, cuBLAS's workspaces) frees its device
+    memory, and restore brings every weight back unchanged and the next step runs."""
     if importlib.util.find_spec("deepspeed") is None:
         raise Skip("DeepSpeed is not installed here")
     from hpcrl.jit_ops import import_deepspeed
@@ -173,10 +173,15 @@ def check_trainer_release() -> str:
     changed = [n for n, t in engine.module.state_dict().items() if not torch.equal(t, weights[n])]
     if changed or engine.optimizer.offloaded_states:
         raise RuntimeError(f"after restore {len(changed)} weight(s) differ, e.g. {changed[:2]}")
+    loss = engine(input_ids=ids, labels=ids).loss  # the next update runs (cuBLAS makes its workspaces again)
+    engine.backward(loss)
+    engine.step()
+    if not torch.isfinite(loss):
+        raise RuntimeError(f"the step after restore computed a loss of {loss.item()}")
     if _cuda() and left > held / 4:
         raise RuntimeError(f"the release left {left / 2**20:.1f} of {held / 2**20:.1f} MiB on the GPU")
     freed = f"{held / 2**20:.1f} -> {left / 2**20:.1f} MiB on the GPU" if _cuda() else "no GPU memory to see"
-    return f"moved {', '.join(moved)}; {freed}; every weight back unchanged"
+    return f"moved {', '.join(moved)}; {freed}; every weight back unchanged, the next step runs"
 
 
 def check_vllm_sleep() -> str:
