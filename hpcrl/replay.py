@@ -125,26 +125,50 @@ def _score_diff(a: Path, b: Path) -> tuple[bool, list[str]]:
     return not differ, lines
 
 
-def _update_diff(a: Path, b: Path) -> tuple[bool, list[str]]:
-    """The new policy's weights within WEIGHT_TOL, tensor by tensor; the per-step losses shown."""
+@dataclass
+class UpdateGaps:
+    """How far two updates of one iteration are apart: the tensors only one policy has, each
+    tensor's largest weight difference, and each update's per-step losses."""
+
+    unmatched: list[str]
+    weights: dict[str, float] = field(default_factory=dict)
+    losses: tuple[list[float], list[float]] = ([], [])
+
+    @property
+    def worst(self) -> tuple[str, float]:
+        name = max(self.weights, key=self.weights.get)
+        return name, self.weights[name]
+
+    @property
+    def loss(self) -> float:
+        """The largest difference of the steps both made."""
+        return max((abs(x - y) for x, y in zip(*self.losses, strict=False)), default=0.0)
+
+
+def update_gaps(a: Path, b: Path) -> UpdateGaps:
     from safetensors.torch import load_file
 
     wa, wb = load_file(a / "policy" / "model.safetensors"), load_file(b / "policy" / "model.safetensors")
     if set(wa) != set(wb):
-        return False, [f"policy weights: tensors differ in name: {sorted(set(wa) ^ set(wb))[:4]}"]
-    gaps = {k: float((wa[k].double() - wb[k].double()).abs().max()) if wa[k].shape == wb[k].shape
-            else float("inf") for k in wa}
-    worst_name = max(gaps, key=gaps.get)
-    worst = gaps[worst_name]
-    la = commit.read_table(a, "stats", ["loss"])["loss"].to_pylist()
-    lb = commit.read_table(b, "stats", ["loss"])["loss"].to_pylist()
-    # the steps both made; another number of steps (a replay with other mini_batches) is judged below
-    loss = max((abs(x - y) for x, y in zip(la, lb, strict=False)), default=0.0)
+        return UpdateGaps(sorted(set(wa) ^ set(wb)))
+    weights = {k: float((wa[k].double() - wb[k].double()).abs().max()) if wa[k].shape == wb[k].shape
+               else float("inf") for k in wa}
+    losses = tuple(commit.read_table(d, "stats", ["loss"])["loss"].to_pylist() for d in (a, b))
+    return UpdateGaps([], weights, losses)
+
+
+def _update_diff(a: Path, b: Path) -> tuple[bool, list[str]]:
+    """The new policy's weights within WEIGHT_TOL, tensor by tensor; the per-step losses shown."""
+    gaps = update_gaps(a, b)
+    if gaps.unmatched:
+        return False, [f"policy weights: tensors differ in name: {gaps.unmatched[:4]}"]
+    (worst_name, worst), loss, (la, lb) = gaps.worst, gaps.loss, gaps.losses
+    # another number of steps (a replay with other mini_batches) is judged below
     lines = [f"policy weights: max difference {worst:.2e} (in {worst_name})",
              f"per-step loss: max difference {loss:.2e}"]
     if worst >= WEIGHT_TOL:
         lines.append(f"beyond the weight tolerance {WEIGHT_TOL:.0e}: "
-                     f"{sum(g >= WEIGHT_TOL for g in gaps.values())} of {len(gaps)} tensors")
+                     f"{sum(g >= WEIGHT_TOL for g in gaps.weights.values())} of {len(gaps.weights)} tensors")
     if len(la) != len(lb) or loss >= LOSS_TOL:
         lines.append(f"per-step loss beyond the tolerance {LOSS_TOL:.0e} ({len(la)} and {len(lb)} steps)")
     return worst < WEIGHT_TOL and len(la) == len(lb) and loss < LOSS_TOL, lines

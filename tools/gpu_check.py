@@ -184,6 +184,46 @@ def check_trainer_release() -> str:
     return f"moved {', '.join(moved)}; {freed}; every weight back unchanged, the next step runs"
 
 
+def check_update_on_gpu() -> str:
+    """The update stage of a committed run (`make demo`'s, or HPCRL_GPU_CHECK_RUN's), replayed on
+    this machine's GPUs through the local executor (hpcrl replay with executor.update.gpus_per_node):
+    it must run on them, save a policy of the same tensors, and compute the same losses within
+    float32 kernel noise (16-bit: bf16's). The weights are shown, not judged: Adam's first steps
+    move each weight by about lr x the sign of its gradient, which flips where a gradient is near 0."""
+    if not _cuda():
+        raise Skip("no GPU here")
+    if importlib.util.find_spec("deepspeed") is None:
+        raise Skip("DeepSpeed is not installed here")
+    import tempfile
+
+    from hpcrl import commit, replay, runs
+
+    source = Path(os.environ.get("HPCRL_GPU_CHECK_RUN") or REPO / "runs" / "tiny-demo")
+    if not commit.is_committed(source / "iter_000000" / "update"):
+        raise Skip(f"no committed update in {source} (`make demo` makes one; HPCRL_GPU_CHECK_RUN names "
+                   "another)")
+    run, exp = runs.open_run(source)
+    ranks = exp.update.world_size
+    if ranks > torch.cuda.device_count():
+        raise Skip(f"its update has {ranks} ranks, this machine {torch.cuda.device_count()} GPU(s)")
+    with tempfile.TemporaryDirectory() as out:
+        rd, rexp = replay.prepare(run, exp, 0, "update", {"executor.update.gpus_per_node": ranks},
+                                  Path(out) / "replay")
+        replay.run_stage(rd, rexp, 0, "update")
+        used = commit.read_manifest(rd.stage_dir(0, "update"))["utilisation"]
+        gaps = replay.update_gaps(run.stage_dir(0, "update"), rd.stage_dir(0, "update"))
+    if used["device_type"] != "gpu":
+        raise RuntimeError(f"the update ran on {used['devices']} {used['device_type']}(s), not on a GPU")
+    if gaps.unmatched:
+        raise RuntimeError(f"the policies hold different tensors: {gaps.unmatched[:4]}")
+    tol = 1e-5 if exp.model.dtype == "float32" else 1e-2
+    if gaps.loss > tol or len(gaps.losses[0]) != len(gaps.losses[1]):
+        raise RuntimeError(f"per-step losses {gaps.losses[1]} on the GPU, {gaps.losses[0]} committed")
+    name, worst = gaps.worst
+    return (f"{len(gaps.losses[1])} steps on {used['devices']} GPU(s): losses within {gaps.loss:.1e} of the "
+            f"committed ones, {len(gaps.weights)} tensors, weights within {worst:.1e} ({name})")
+
+
 def check_vllm_sleep() -> str:
     """vLLM puts a model to sleep (level 2: weights and KV cache freed), wakes its weights, reloads
     them (level 2 discarded them, as the colocated sync replaces them) and wakes its KV cache: the
@@ -223,7 +263,7 @@ def check_vllm_sleep() -> str:
 
 
 CHECKS = [check_backend_map, check_binding, check_handoff, check_bf16_update, check_trainer_release,
-          check_vllm_sleep]
+          check_update_on_gpu, check_vllm_sleep]
 CLUSTER = [
     "NCCL weight broadcast from trainer 0 to vLLM's workers on another node (a resident run, "
     "executor.resident.weight_sync = \"process_group\")",
