@@ -52,7 +52,8 @@ class SlurmResources(Section):
     partition: str = Field("", description="Slurm partition (empty: the cluster's default).")
     nodes: int = Field(1, ge=1, description="Nodes of the job; the update's ranks (update.world_size) are "
                        "spread evenly over them.")
-    gpus_per_node: int = Field(0, ge=0, description="GPUs per node (gres gpu).")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node (gres gpu); with the local executor, "
+                               "the GPUs of this machine the job is given (0: none, CPU only).")
     cpus_per_task: int = Field(2, ge=1, description="CPUs per task.")
     mem_gb: float = Field(0, ge=0, description="Memory per node in GB (0: the partition's default).")
     time_min: int = Field(60, ge=1, description="Time limit in minutes; the job is signalled before it and "
