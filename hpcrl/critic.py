@@ -133,7 +133,7 @@ class Critic:
         else:
             state = self.engine.module.state_dict() if self.rank == 0 else None
         if self.rank == 0:
-            state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+            state = {k: v.contiguous() for k, v in trainer.to_cpu(state).items()}  # tied stay tied
             backbone = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
             head = {k.removeprefix("value_head."): v for k, v in state.items() if k.startswith("value_head.")}
             self.engine.module.backbone.save_pretrained(out, state_dict=backbone, safe_serialization=True)
