@@ -76,6 +76,7 @@ class Handoff:
     bytes: int = 0
     path: str = ""  # shared memory: the sender's buffer; filesystem: the directory
     header: list = field(default_factory=list)  # shared memory: name, dtype, shape, offset per tensor
+    stamp: int = 0  # shared memory, filesystem: the send's stamp (hpcrl.weight_sync.Stamp)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -106,6 +107,10 @@ class Transport(ABC):
     @abstractmethod
     def receive(self, handoff: Handoff) -> Iterator[Named]:
         """A vLLM worker: the tensors of one sync, in the sender's order."""
+
+    def verify(self, handoff: Handoff) -> None:  # noqa: B027  (an optional hook)
+        """A vLLM worker, once its engine has loaded `handoff`: WeightSyncError if what it read was
+        rewritten meanwhile (a transport that the next send rewrites in place)."""
 
 
 TRANSPORTS: dict[str, type[Transport]] = {}
@@ -193,14 +198,18 @@ class SharedMemoryTransport(Transport):
         self.sync = weight_sync.SharedMemorySync()
 
     def send(self, tensors: Iterable[Named]) -> Handoff:
-        nbytes, header = self.sync.send(tensors)
-        return Handoff(self.name, nbytes, self.sync.path, header)
+        nbytes, header, stamp = self.sync.send(tensors)
+        return Handoff(self.name, nbytes, self.sync.path, header, stamp)
 
     def receive(self, handoff: Handoff) -> Iterator[Named]:
         needed = weight_sync.SharedMemorySync.end(handoff.header)
         if self.buffer is None or self.buffer.numel() < needed:  # mapped again only when it grew
             self.buffer = weight_sync.SharedMemorySync.map(handoff.path, handoff.header)
-        return weight_sync.SharedMemorySync.receive(self.buffer, handoff.header)
+        return weight_sync.SharedMemorySync.receive(self.buffer, handoff.header, handoff.stamp)
+
+    def verify(self, handoff: Handoff) -> None:
+        weight_sync.Stamp.check(weight_sync.SharedMemorySync.stamp_of(self.buffer), handoff.stamp,
+                                "the shared weight buffer")
 
 
 @register("filesystem")
@@ -208,11 +217,15 @@ class FilesystemTransport(Transport):
     """safetensors in `directory`, written by trainer 0 and read back (hpcrl.weight_sync.FilesystemSync)."""
 
     def send(self, tensors: Iterable[Named]) -> Handoff:
-        nbytes = weight_sync.FilesystemSync(self.setup.directory).send(tensors)
-        return Handoff(self.name, nbytes, self.setup.directory)
+        nbytes, stamp = weight_sync.FilesystemSync(self.setup.directory).send(tensors)
+        return Handoff(self.name, nbytes, self.setup.directory, stamp=stamp)
 
     def receive(self, handoff: Handoff) -> Iterator[Named]:
-        return weight_sync.FilesystemSync(Path(handoff.path)).receive()
+        return weight_sync.FilesystemSync(Path(handoff.path)).receive(handoff.stamp)
+
+    def verify(self, handoff: Handoff) -> None:
+        weight_sync.Stamp.check(weight_sync.FilesystemSync(Path(handoff.path)).stamp(), handoff.stamp,
+                                handoff.path)
 
 
 @register("saved")

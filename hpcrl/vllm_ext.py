@@ -98,6 +98,7 @@ class WeightReceiver:
         if self._hpcrl_merger is not None and transport is self._hpcrl_transport:  # not a saved version
             weights = self._hpcrl_merger(weights)
         self.reload_weights(weights_iterator=weights)  # the worker's: under its vLLM config context
+        transport.verify(handoff)  # nothing it read was rewritten before it was loaded
         refresh_cpu_copies(self.model_runner.get_model())
         return {**received, "seconds": time.perf_counter() - t0}
 

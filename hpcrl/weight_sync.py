@@ -12,6 +12,11 @@
 Every mechanism reads the tensors it sends as a stream (hpcrl.checkpoint_view yields a model
 layer by layer), so the sender never holds a second copy of the whole model.
 
+The buffer and the directory are rewritten in place by the next send: each send carries a stamp
+(`Stamp`), odd while it is written and even once whole, and a receiver checks it before it reads
+and after its engine has loaded (`check`), so a load that a later send overtakes fails loudly
+instead of mixing two versions' weights.
+
 The receiver yields (name, tensor) pairs in the sender's order. hpcrl.transports wraps each
 mechanism in the one interface the resident mode uses; hpcrl.vllm_ext loads them into a running
 vLLM engine. After every sync, `check_probe` compares the engine's logprobs on a fixed probe batch
@@ -123,10 +128,13 @@ class FilesystemSync:
     def __init__(self, directory: str | Path, shard_bytes: int = 1 << 30):
         self.dir, self.shard_bytes = Path(directory), shard_bytes
 
-    def send(self, tensors: Iterable[Named]) -> int:
+    def send(self, tensors: Iterable[Named]) -> tuple[int, int]:
+        """Write the tensors; returns (bytes, the send's stamp)."""
         from safetensors.torch import save_file
 
         self.dir.mkdir(parents=True, exist_ok=True)
+        stamp = Stamp.next(self.stamp())
+        self._write_index({"stamp": stamp - 1})  # being written: no shard list to read
         shards, nbytes = [], 0
         for i, shard in enumerate(buckets(tensors, self.shard_bytes, same_dtype=False)):
             name = f"weights-{i:05d}.safetensors"
@@ -135,17 +143,47 @@ class FilesystemSync:
             (self.dir / f"{name}.tmp").replace(self.dir / name)
             shards.append(name)
             nbytes += sum(t.numel() * t.element_size() for _, t in shard)
-        (self.dir / f"{self.INDEX}.tmp").write_text(json.dumps({"shards": shards}))
-        (self.dir / f"{self.INDEX}.tmp").replace(self.dir / self.INDEX)
+        self._write_index({"shards": shards, "stamp": stamp})
         for stale in set(p.name for p in self.dir.glob("weights-*.safetensors")) - set(shards):
             (self.dir / stale).unlink()
-        return nbytes
+        return nbytes, stamp
 
-    def receive(self) -> Iterator[Named]:
+    def _write_index(self, index: dict) -> None:
+        (self.dir / f"{self.INDEX}.tmp").write_text(json.dumps(index))
+        (self.dir / f"{self.INDEX}.tmp").replace(self.dir / self.INDEX)
+
+    def stamp(self) -> int:
+        """The stamp of what the directory holds (0: nothing sent yet)."""
+        index = self.dir / self.INDEX
+        return json.loads(index.read_text()).get("stamp", 0) if index.is_file() else 0
+
+    def receive(self, stamp: int | None = None) -> Iterator[Named]:
+        """The tensors of the send stamped `stamp` (when given: checked first)."""
         from safetensors.torch import load_file
 
+        if stamp is not None:
+            Stamp.check(self.stamp(), stamp, str(self.dir))
         for name in json.loads((self.dir / self.INDEX).read_text())["shards"]:
             yield from load_file(str(self.dir / name)).items()
+
+
+class Stamp:
+    """A send's stamp: 2n - 1 while send n is written, 2n once it is whole."""
+
+    @staticmethod
+    def next(current: int) -> int:
+        """The stamp of the send after the one stamped `current` (an interrupted one counts)."""
+        return 2 * (current // 2 + current % 2 + 1)
+
+    @staticmethod
+    def check(found: int, expected: int, where: str) -> None:
+        if found == expected:
+            return
+        state = "is being written" if found % 2 else "is whole"
+        raise WeightSyncError(f"{where}: the weights were rewritten under their reader: it holds send "
+                              f"{(found + 1) // 2}, which {state}, where send {expected // 2} was to be "
+                              "read; the sender must not send again before every engine has loaded "
+                              "(loaded/<n>)")
 
 
 ALIGN = 64  # bytes; every tensor in the shared buffer starts on a cache line
@@ -167,9 +205,13 @@ class SharedMemorySync:
         self.fd: int | None = None
         self.buffer: torch.Tensor | None = None
 
-    def send(self, tensors: Iterable[Named]) -> tuple[int, list]:
-        """Copy the tensors into the buffer, one at a time; returns (bytes, header)."""
-        header, offset, nbytes = [], 0, 0
+    def send(self, tensors: Iterable[Named]) -> tuple[int, list, int]:
+        """Copy the tensors into the buffer, one at a time, after its stamp (the first ALIGN
+        bytes); returns (bytes, header, the send's stamp)."""
+        self._reserve(ALIGN)
+        stamp = Stamp.next(self.stamp_of(self.buffer))
+        self._stamp(stamp - 1)  # being written
+        header, offset, nbytes = [], ALIGN, 0
         for name, t in tensors:
             size = t.numel() * t.element_size()
             self._reserve(offset + size)
@@ -177,7 +219,15 @@ class SharedMemorySync:
             header.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset])
             offset += -(-size // ALIGN) * ALIGN
             nbytes += size
-        return nbytes, header
+        self._stamp(stamp)
+        return nbytes, header, stamp
+
+    def _stamp(self, stamp: int) -> None:
+        self.buffer[:8].view(torch.int64)[0] = stamp
+
+    @staticmethod
+    def stamp_of(buffer: torch.Tensor) -> int:
+        return int(buffer[:8].view(torch.int64)[0])
 
     def _reserve(self, end: int) -> None:
         """A buffer of at least `end` bytes (grown by doubling; the receiver maps it again)."""
@@ -206,8 +256,11 @@ class SharedMemorySync:
         return buffer
 
     @staticmethod
-    def receive(buffer: torch.Tensor, header: list) -> Iterator[Named]:
-        """Views into the mapped buffer, in the sender's order (valid until the next send)."""
+    def receive(buffer: torch.Tensor, header: list, stamp: int | None = None) -> Iterator[Named]:
+        """Views into the mapped buffer, in the sender's order (valid until the next send); the
+        send stamped `stamp` (when given: checked first)."""
+        if stamp is not None:
+            Stamp.check(SharedMemorySync.stamp_of(buffer), stamp, "the shared weight buffer")
         for name, dtype, shape, start in header:
             yield name, _slot(buffer, start, getattr(torch, dtype), shape)
 

@@ -13,7 +13,7 @@ import torch
 
 from hpcrl import transports, weight_sync
 from hpcrl.distributed import free_port
-from hpcrl.weight_sync import FilesystemSync, ProcessGroupSync, SharedMemorySync, make_group
+from hpcrl.weight_sync import FilesystemSync, ProcessGroupSync, SharedMemorySync, WeightSyncError, make_group
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -79,7 +79,7 @@ def _shared_receiver(path: str, header: list, ready, again, out) -> None:
 def test_shared_memory_delivers_bit_identical_tensors_in_place():
     state = _state()
     sync = SharedMemorySync()
-    nbytes, header = sync.send(state.items())
+    nbytes, header, _ = sync.send(state.items())
     assert nbytes == sum(t.numel() * t.element_size() for t in state.values())
     assert sync.path.startswith("/proc/")  # a memfd: nothing in /dev/shm or on disk to leak
     ctx = mp.get_context("spawn")
@@ -187,6 +187,51 @@ def test_each_transport_hands_over_bit_identical_tensors_through_the_interface(n
         assert name == "filesystem" or list(got) == list(state)  # safetensors files keep no order
     with pytest.raises(ValueError, match="unknown weight-sync transport 'carrier_pigeon'"):
         transports.make(transports.SyncSetup("carrier_pigeon"))
+
+
+@pytest.mark.parametrize("name", ["shared_memory", "filesystem"])
+def test_a_load_that_a_later_send_overtakes_is_refused(name, tmp_path):
+    """The buffer and the directory are rewritten in place by the next send; trainer 0 sends again
+    only once every engine has loaded (loaded/<n>, hpcrl.resident_trainer). Were that count wrong,
+    an engine would load two versions' weights mixed; each send's stamp makes it fail instead:
+    before it reads, while the next send is being written, and after its load (`verify`)."""
+    state = _state()
+    setup = transports.SyncSetup(name, directory=str(tmp_path / "weights"))
+    sender, receiver = transports.make(setup), transports.make(setup.as_dict())
+    sender.open_sender()
+    receiver.open_receiver(0, 0)
+    first = sender.send(state.items())
+    assert set(dict(receiver.receive(first))) == set(state)
+    receiver.verify(first)  # the hand-over kept to
+    second = sender.send(state.items())
+    with pytest.raises(WeightSyncError, match="holds send 2, which is whole, where send 1 was to be read"):
+        list(receiver.receive(first))  # overtaken before the engine reads
+    reading = receiver.receive(second)
+    next(reading)
+    third = sender.send(state.items())  # overtaken while the engine reads
+    list(reading)
+    with pytest.raises(WeightSyncError, match="holds send 3, which is whole, where send 2"):
+        receiver.verify(second)
+
+    def overtaking():
+        for i, item in enumerate(state.items()):
+            if i == 1:  # the next send is half written
+                with pytest.raises(WeightSyncError, match="holds send 4, which is being written"):
+                    list(receiver.receive(third))
+            yield item
+
+    sender.send(overtaking())
+
+    def broken():
+        yield next(iter(state.items()))
+        raise OSError("trainer 0 died mid-send")
+
+    with pytest.raises(OSError):
+        sender.send(broken())
+    sixth = sender.send(state.items())  # the interrupted fifth is counted
+    assert (first.stamp, second.stamp, sixth.stamp) == (2, 4, 12)
+    assert set(dict(receiver.receive(sixth))) == set(state)
+    receiver.verify(sixth)
 
 
 def _tp_receiver(setup: dict, tp_rank: int, out) -> None:
@@ -485,11 +530,12 @@ def test_the_handoff_names_what_the_load_side_reads(tmp_path):
     shm.open_sender()
     h = shm.send(state)
     assert h == transports.Handoff("shared_memory", 22, shm.sync.path,
-                                   [["w", "float32", [4], 0], ["b", "bfloat16", [3], 64]])
+                                   [["w", "float32", [4], 64], ["b", "bfloat16", [3], 128]], 2)
     fs = transports.make(transports.SyncSetup("filesystem", directory=str(tmp_path / "w")))
-    assert fs.send(state) == transports.Handoff("filesystem", 22, str(tmp_path / "w"), [])
+    assert fs.send(state) == transports.Handoff("filesystem", 22, str(tmp_path / "w"), [], 2)
+    assert shm.send(state).stamp == 4 and fs.send(state).stamp == 4  # each send its own
     assert h.as_dict() == {"transport": "shared_memory", "bytes": 22, "path": shm.sync.path,
-                           "header": h.header}
+                           "header": h.header, "stamp": 2}
     setup = transports.SyncSetup("filesystem", directory="/d", lora_targets=["q_proj"])
     assert setup.as_dict()["directory"] == "/d" and transports.SyncSetup(**setup.as_dict()) == setup
 
@@ -516,16 +562,17 @@ def test_a_shared_memory_receiver_maps_the_buffer_again_only_when_it_grew():
     setup = transports.SyncSetup("shared_memory")
     sender, receiver = transports.make(setup), transports.make(setup)
     sender.open_sender()
-    full = [("w", torch.full((1 << 14,), 1.0))]  # 64 KiB: exactly the first buffer
-    assert dict(receiver.receive(sender.send(full)))["w"].sum() == 1 << 14
+    n = (1 << 14) - 16  # with the stamp's 64 bytes: exactly the first buffer (64 KiB)
+    full = [("w", torch.full((n,), 1.0))]
+    assert dict(receiver.receive(sender.send(full)))["w"].sum() == n
     mapped = receiver.buffer
     assert mapped.numel() == 1 << 16
     full[0][1].fill_(2.0)
-    assert dict(receiver.receive(sender.send(full)))["w"].sum() == 2 << 14 and receiver.buffer is mapped
-    bigger = [("w", torch.full((1 << 14,), 3.0)), ("v", torch.ones(1))]
+    assert dict(receiver.receive(sender.send(full)))["w"].sum() == 2 * n and receiver.buffer is mapped
+    bigger = [("w", torch.full((n,), 3.0)), ("v", torch.ones(1))]
     got = dict(receiver.receive(sender.send(bigger)))
     assert receiver.buffer is not mapped and receiver.buffer.numel() == 1 << 17
-    assert got["w"].sum() == 3 << 14 and got["v"].tolist() == [1.0]
+    assert got["w"].sum() == 3 * n and got["v"].tolist() == [1.0]
     assert list(receiver.receive(sender.send([]))) == []  # an empty sync reads nothing, maps nothing
 
 
@@ -646,12 +693,12 @@ def test_the_shared_buffer_lays_tensors_out_on_cache_lines_and_grows_by_doubling
     assert sync.path is None and sync.buffer is None  # nothing until the first send
     state = [("w", torch.arange(4.0)), ("b", torch.ones(3, dtype=torch.bfloat16)),
              ("i", torch.tensor([[1, 2], [3, 4]])), ("z", torch.zeros(16))]
-    nbytes, header = sync.send(state)
-    assert nbytes == 16 + 6 + 32 + 64
-    assert header == [["w", "float32", [4], 0], ["b", "bfloat16", [3], 64], ["i", "int64", [2, 2], 128],
-                      ["z", "float32", [16], 192]]
-    assert SharedMemorySync.end(header) == 256
-    assert SharedMemorySync.end(header[:2]) == 70
+    nbytes, header, stamp = sync.send(state)
+    assert nbytes == 16 + 6 + 32 + 64 and stamp == 2 == SharedMemorySync.stamp_of(sync.buffer)
+    assert header == [["w", "float32", [4], 64], ["b", "bfloat16", [3], 128], ["i", "int64", [2, 2], 192],
+                      ["z", "float32", [16], 256]]  # after the stamp's cache line
+    assert SharedMemorySync.end(header) == 320
+    assert SharedMemorySync.end(header[:2]) == 134
     path = sync.path
     assert os.readlink(path).startswith("/memfd:hpcrl-weights")
     assert sync.buffer.numel() == 1 << 16
@@ -659,12 +706,13 @@ def test_the_shared_buffer_lays_tensors_out_on_cache_lines_and_grows_by_doubling
     assert [(n, t.tolist()) for n, t in SharedMemorySync.receive(mapped, header)] == \
         [(n, t.tolist()) for n, t in state]
     first = sync.buffer
-    sync.send([("x", torch.zeros(1 << 14))])  # 64 KiB: fills the buffer exactly
+    sync.send([("x", torch.zeros((1 << 14) - 16))])  # 64 KiB with the stamp: fills the buffer exactly
     assert sync.buffer is first
-    sync.send([("x", torch.zeros(1 << 14)), ("y", torch.zeros(1))])  # 64 KiB + 4: doubled
+    sync.send([("x", torch.zeros((1 << 14) - 16)), ("y", torch.zeros(1))])  # 64 KiB + 4: doubled
     assert sync.buffer.numel() == 1 << 17 and sync.path == path
-    _, header = sync.send([("x", torch.arange(75_000.0))])  # 300,000 B, more than twice: as needed
-    assert sync.buffer.numel() == 300_000 == SharedMemorySync.end(header) and sync.path == path
+    _, header, stamp = sync.send([("x", torch.arange(75_000.0))])  # 300,064 B, more than twice: as needed
+    assert sync.buffer.numel() == 300_064 == SharedMemorySync.end(header) and sync.path == path
+    assert stamp == 8 == SharedMemorySync.stamp_of(sync.buffer)  # kept when the buffer grew
     got = dict(SharedMemorySync.receive(SharedMemorySync.map(path, header), header))
     assert torch.equal(got["x"], torch.arange(75_000.0))
 
@@ -676,9 +724,9 @@ def test_mapping_a_buffer_smaller_than_its_header_is_refused():
     from hpcrl.weight_sync import WeightSyncError
 
     sync = SharedMemorySync()
-    _, header = sync.send([("x", torch.zeros(1 << 14))])
+    _, header, _ = sync.send([("x", torch.zeros((1 << 14) - 16))])
     assert SharedMemorySync.map(sync.path, header).numel() == 1 << 16
-    too_far = [["x", "float32", [1 << 14], 64]]
+    too_far = [["x", "float32", [(1 << 14) - 16], 128]]
     with pytest.raises(WeightSyncError, match=rf"^the shared weight buffer {sync.path} holds 65536 bytes, "
                                               r"the header needs 65600$"):
         SharedMemorySync.map(sync.path, too_far)
@@ -712,9 +760,9 @@ def test_the_filesystem_sync_counts_its_bytes_and_creates_its_directory(tmp_path
 
     state = [("a", torch.arange(4.0)), ("b", torch.ones(3, dtype=torch.bfloat16)), ("c", torch.arange(8.0))]
     sync = FilesystemSync(tmp_path / "x" / "y", shard_bytes=24)
-    assert sync.send(state) == 16 + 6 + 32
+    assert sync.send(state) == (16 + 6 + 32, 2)
     assert json.loads((tmp_path / "x" / "y" / "weights.json").read_text()) == {
-        "shards": ["weights-00000.safetensors", "weights-00001.safetensors"]}
+        "shards": ["weights-00000.safetensors", "weights-00001.safetensors"], "stamp": 2}
     assert sorted(p.name for p in (tmp_path / "x" / "y").iterdir()) == [
         "weights-00000.safetensors", "weights-00001.safetensors", "weights.json"]
     assert [(n, t.tolist()) for n, t in FilesystemSync(str(tmp_path / "x" / "y")).receive()] == \

@@ -135,7 +135,7 @@ def fanout(size: str, transport: str, receivers: int, repeats: int) -> list[floa
                 box.put("receive")
             ProcessGroupSync(pg, 0, 64 << 20).send(tensors)
         else:
-            _, header = shm.send(tensors)
+            _, header, _ = shm.send(tensors)
             for box in inboxes:
                 box.put((shm.path, header))
         times.append(max(done.get(timeout=600) for _ in range(receivers)) - t0)

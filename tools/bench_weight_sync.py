@@ -74,7 +74,7 @@ def bench(size: str, repeats: int) -> dict[str, float]:
         shm = SharedMemorySync()
         for _ in range(repeats):
             t0 = time.perf_counter()
-            _, header = shm.send(tensors)
+            _, header, _ = shm.send(tensors)
             shared.put((shm.path, header))
             times["shared memory"].append(done.get(timeout=600) - t0)
             t0 = time.perf_counter()

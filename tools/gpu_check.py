@@ -93,7 +93,7 @@ def check_handoff() -> str:
     model = _tiny_model(device)
     sent = {n: t.detach().cpu().clone() for n, t in checkpoint_view.tensors(model)}
     sync = weight_sync.SharedMemorySync()
-    nbytes, header = sync.send(checkpoint_view.tensors(model))
+    nbytes, header, _ = sync.send(checkpoint_view.tensors(model))
     buffer = weight_sync.SharedMemorySync.map(sync.path, header)
     got = dict(weight_sync.SharedMemorySync.receive(buffer, header))
     bad = [n for n in sent if not torch.equal(sent[n], got[n])]
