@@ -240,9 +240,10 @@ def _check_rewards(exp: Experiment) -> list[str]:
             reward_backends.inspect_model(model.path)
         except reward_backends.RewardBackendError as err:
             problems.append(f"reward.model.path: {err}")
-        if model.device == "cuda" and exp.executor.kind == "slurm" and not exp.executor.score.gpus_per_node:
-            problems.append("reward.model.device: 'cuda' but executor.score.gpus_per_node = 0 gives the "
-                            "score job no GPU")
+        role = "resident" if exp.executor.mode == "resident" else "score"  # the job that scores
+        if model.device == "cuda" and not getattr(exp.executor, role).gpus_per_node:
+            problems.append(f"reward.model.device: 'cuda' but executor.{role}.gpus_per_node = 0 gives the "
+                            f"{role} job no GPU")
     return problems
 
 

@@ -114,6 +114,21 @@ def test_preflight_names_a_reward_model_that_is_not_one(write_experiment, tiny_t
     assert f"reward.model.path: reward model {tiny_task / 'model'}: architectures" in str(err.value)
 
 
+def test_preflight_refuses_a_cuda_reward_model_in_a_job_without_gpus(write_experiment, classifier):
+    """Slurm and the local executor alike give a job with gpus_per_node = 0 no GPU; the job that
+    scores is the score job, or in the resident mode the resident job."""
+    from hpcrl import preflight
+
+    reward = {"model": {"path": str(classifier), "device": "cuda"}}
+    for executor, role in [({"kind": "local"}, "score"), ({"kind": "slurm"}, "score"),
+                           ({"kind": "local", "mode": "resident"}, "resident")]:
+        exp = config.load(write_experiment(f"rm-{role}", reward=reward, executor=executor))
+        assert (f"reward.model.device: 'cuda' but executor.{role}.gpus_per_node = 0 gives the {role} job "
+                "no GPU") in preflight._check_rewards(exp)
+        with_gpu = config.with_overrides(exp, {f"executor.{role}.gpus_per_node": 1}, "test")
+        assert preflight._check_rewards(with_gpu) == []
+
+
 # ---------------------------------------------------------------- config
 
 
