@@ -200,18 +200,22 @@ def test_a_load_that_a_later_send_overtakes_is_refused(name, tmp_path):
     sender, receiver = transports.make(setup), transports.make(setup.as_dict())
     sender.open_sender()
     receiver.open_receiver(0, 0)
+    where = "the shared weight buffer" if name == "shared_memory" else str(tmp_path / "weights")
     first = sender.send(state.items())
     assert set(dict(receiver.receive(first))) == set(state)
     receiver.verify(first)  # the hand-over kept to
     second = sender.send(state.items())
-    with pytest.raises(WeightSyncError, match="holds send 2, which is whole, where send 1 was to be read"):
+    with pytest.raises(WeightSyncError, match=f"^{where}: .* holds send 2, which is whole, where send 1 was"):
         list(receiver.receive(first))  # overtaken before the engine reads
     reading = receiver.receive(second)
     next(reading)
     third = sender.send(state.items())  # overtaken while the engine reads
     list(reading)
-    with pytest.raises(WeightSyncError, match="holds send 3, which is whole, where send 2"):
+    with pytest.raises(WeightSyncError) as err:
         receiver.verify(second)
+    assert str(err.value) == (f"{where}: the weights were rewritten under their reader: it holds send 3, "
+                              "which is whole, where send 2 was to be read; the sender must not send again "
+                              "before every engine has loaded (loaded/<n>)")
 
     def overtaking():
         for i, item in enumerate(state.items()):
@@ -750,6 +754,17 @@ def test_buckets_hold_exactly_up_to_their_size_and_copy_no_tensor():
     (bucket,) = weight_sync.buckets([("t", w.t())], 1 << 20)
     t = bucket[0][1]
     assert t.is_contiguous() and not t.requires_grad and t.tolist() == [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+
+
+def test_a_directory_without_a_stamp_counts_as_none_sent(tmp_path):
+    """An index written before sends were stamped (a run resumed across an upgrade) reads as
+    stamp 0: the next send is send 1."""
+    import json
+
+    (tmp_path / "weights.json").write_text(json.dumps({"shards": []}))
+    assert FilesystemSync(tmp_path).stamp() == 0
+    assert FilesystemSync(tmp_path).send([("a", torch.ones(2))]) == (8, 2)
+    assert FilesystemSync(tmp_path / "new").stamp() == 0
 
 
 def test_the_filesystem_sync_counts_its_bytes_and_creates_its_directory(tmp_path):
