@@ -12,7 +12,7 @@ from pathlib import Path
 from hpcrl import colocation, data, disk_budget, model_check, placement, rewards
 from hpcrl.config import ConfigError, Experiment
 from hpcrl.config_training import AlgorithmConfig, CriticConfig, LoraConfig, ModelConfig, RunConfig
-from hpcrl.stage_kinds import ORDER
+from hpcrl.stage_kinds import ORDER, SCORE
 
 # Files that hold a tokenizer's vocabulary (without one, transformers builds an empty tokenizer).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt",
@@ -240,7 +240,7 @@ def _check_rewards(exp: Experiment) -> list[str]:
             reward_backends.inspect_model(model.path)
         except reward_backends.RewardBackendError as err:
             problems.append(f"reward.model.path: {err}")
-        role = "resident" if exp.executor.mode == "resident" else "score"  # the job that scores
+        role = "resident" if exp.executor.mode == "resident" else SCORE  # the job that scores
         if model.device == "cuda" and not getattr(exp.executor, role).gpus_per_node:
             problems.append(f"reward.model.device: 'cuda' but executor.{role}.gpus_per_node = 0 gives the "
                             f"{role} job no GPU")
