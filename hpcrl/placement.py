@@ -110,7 +110,7 @@ def staged_plans(exp: Experiment) -> dict[str, list[Slot]]:
         return plans
     u, g = ex.update, ex.generate
     if u.gpus_per_node:
-        per_node = exp.update.world_size // (u.nodes if ex.kind == "slurm" else 1)
+        per_node = exp.update.world_size // _nodes(ex, u)
         if per_node > u.gpus_per_node:
             raise PlacementError(f"executor.update.gpus_per_node: {per_node} update ranks per node (update."
                                  f"world_size = {exp.update.world_size} over {u.nodes} nodes) need one GPU "
@@ -118,12 +118,17 @@ def staged_plans(exp: Experiment) -> dict[str, list[Slot]]:
         plans[UPDATE] = [Slot(r, f"trainer {r}", r // per_node, (r % per_node,))
                            for r in range(exp.update.world_size)]
     if g.gpus_per_node:
-        tp, gpus = exp.generate.tensor_parallel_size, g.gpus_per_node * (g.nodes if ex.kind == "slurm" else 1)
+        tp, gpus = exp.generate.tensor_parallel_size, g.gpus_per_node * _nodes(ex, g)
         if tp > gpus:
             raise PlacementError(f"executor.generate.gpus_per_node: generate.tensor_parallel_size = {tp} "
                                  f"needs {tp} GPUs, but the generate job has {gpus}")
         plans[GENERATE] = [Slot(0, f"vLLM (TP {tp})", 0, tuple(range(tp)))]
     return plans
+
+
+def _nodes(ex, resources) -> int:
+    """A staged job's nodes: its own on Slurm, this machine alone with the local executor."""
+    return resources.nodes if ex.kind == "slurm" else 1
 
 
 def narrowed(visible: str | None, gpus: tuple[int, ...]) -> str:
