@@ -359,7 +359,8 @@ def replay(run_dir: Path, iteration: int, stage: str, sets: tuple[str, ...], out
     except (commit.CorruptOutputError, FileExistsError, RuntimeError) as err:
         _fail(str(err), 1)
     original, replayed = run.stage_dir(iteration, stage), replay_run.stage_dir(iteration, stage)
-    report = rp.compare(original, replayed, stage)
+    report = rp.compare(original, replayed, stage, run.policy_dir(iteration, exp.model.path),
+                        rp.bits(replay_exp.model.dtype))
     click.echo(rp.format_report(report, original, replayed, overrides))
     sys.exit(0 if report.match else 1)
 

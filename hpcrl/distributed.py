@@ -84,6 +84,15 @@ def default_backend(cuda: bool) -> str:
     return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity (Slurm's cgroup, taskset), not the node's
+    count, which os.cpu_count() gives and which oversubscribes a job holding part of a node."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def init(timeout_s: float = 1800) -> tuple[int, int]:
     """Initialise the default process group; returns (rank, world_size)."""
     import torch
@@ -95,7 +104,7 @@ def init(timeout_s: float = 1800) -> tuple[int, int]:
     else:
         # Share the cores among the ranks of this node instead of oversubscribing them.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(max(1, usable_cores() // local_world))
     import_deepspeed().init_distributed(dist_backend=default_backend(cuda), verbose=False,
                                         timeout=timedelta(seconds=timeout_s))
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -19,6 +19,7 @@ import importlib.metadata
 import os
 import shutil
 import socket
+import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -49,6 +50,30 @@ def package_versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             continue
     return out
+
+
+def device() -> dict:
+    """What this process computed on, recorded with each stage (hpcrl.replay judges a replay on
+    other hardware with other tolerances): the GPU's name when it initialised CUDA, else the CPU's
+    model; and torch's intra-op threads, whose number sets the order CPU kernels sum in."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        name = torch.cuda.get_device_name(torch.cuda.current_device())
+    else:
+        name = cpu_model()
+    return {"name": name, "threads": torch.get_num_threads() if torch is not None else None}
+
+
+@functools.cache
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    import platform
+
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 def job_id() -> str | None:
@@ -208,6 +233,7 @@ class OpenStage:
                 "host": socket.gethostname(),
                 "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
                 "world_size": self.world_size,
+                "device": device(),
                 "job_id": job_id(),
                 "utilisation": use,
                 **({"shard": list(ctx.shard)} if ctx.shard else {}),

@@ -3,6 +3,7 @@ changes the reward, generate reports token agreement, corruption is named, the r
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -35,6 +36,23 @@ def test_replay_of_a_middle_iteration_is_byte_identical(run, stage, tmp_path):
     assert "files: byte-identical" in out.stdout and "verdict: MATCH: byte-identical" in out.stdout
     assert commit.is_committed(tmp_path / stage / "iter_000001" / stage)
     assert _manifests(run) == before  # the run is only read
+
+
+def test_an_update_replayed_on_one_core_names_the_change_and_matches(run, tmp_path):
+    """On one of the run's cores the replay's trainer takes one thread (not os.cpu_count's), the
+    report names how the environment changed, and the update still matches: byte for byte, or
+    within the tolerances across environments."""
+    original = commit.read_manifest(run.stage_dir(1, "update"))
+    assert original["utilisation"]["devices"] >= 2, "the run needs 2 cores for this test"
+    one = min(os.sched_getaffinity(0))
+    out = hpcrl("replay", str(run.root), "--iteration", "1", "--stage", "update", "--out",
+                str(tmp_path / "u"), preexec_fn=lambda: os.sched_setaffinity(0, {one}))
+    assert out.returncode == 0, out.stdout + out.stderr
+    replayed = commit.read_manifest(tmp_path / "u" / "iter_000001" / "update")
+    assert replayed["utilisation"]["devices"] == 1 and replayed["device"]["threads"] == 1
+    cores, threads = original["utilisation"]["devices"], original["device"]["threads"]
+    assert f"environment: devices {cores} -> 1, threads {threads} -> 1" in out.stdout
+    assert "verdict: MATCH" in out.stdout
 
 
 def test_replay_with_another_reward_function_reports_the_changed_reward(run, tmp_path):

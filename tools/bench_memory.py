@@ -142,7 +142,7 @@ def _sp_rank(rank: int, n: int, port: int, length: int, parts: list[str], repeat
     if torch.cuda.is_available():
         torch.cuda.set_device(rank)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+        torch.set_num_threads(max(1, distributed.usable_cores() // n))
     jit_ops.import_deepspeed().init_distributed(
         dist_backend=distributed.default_backend(torch.cuda.is_available()), verbose=False)
     model, mb, tokens = _setup(length, parts, rows)
