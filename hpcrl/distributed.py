@@ -93,6 +93,17 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def rank_threads(local_world: int) -> int:
+    """Torch's threads for one of the `local_world` ranks on this node: a Slurm task's cpus per task
+    (whether Slurm bound it to them or to the job's cores), else the cores this process may use,
+    shared among the node's ranks (the local executor's ranks share its cores)."""
+    cores = usable_cores()
+    per_task = os.environ.get("SLURM_CPUS_PER_TASK")
+    if per_task and "SUBMITIT_LOCAL_JOB_ID" not in os.environ:
+        return max(1, min(int(per_task), cores))
+    return max(1, cores // local_world)
+
+
 def init(timeout_s: float = 1800) -> tuple[int, int]:
     """Initialise the default process group; returns (rank, world_size)."""
     import torch
@@ -102,9 +113,7 @@ def init(timeout_s: float = 1800) -> tuple[int, int]:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
-        # Share the cores among the ranks of this node instead of oversubscribing them.
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, usable_cores() // local_world))
+        torch.set_num_threads(rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     import_deepspeed().init_distributed(dist_backend=default_backend(cuda), verbose=False,
                                         timeout=timedelta(seconds=timeout_s))
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -193,3 +193,26 @@ def test_the_7b_resident_layout_renders_as_one_heterogeneous_job(write_experimen
     assert (slots[32].role, slots[32].node, slots[32].gpus) == ("generator 0", 4, (0, 1, 2, 3))
     with pytest.raises(config.ConfigError, match=r"colocate.*a node of its own"):
         config.with_overrides(exp, {"executor.resident.colocate": True}, "test")
+
+
+def test_a_process_uses_the_cores_it_may_run_on_not_the_nodes(monkeypatch):
+    """Pins `distributed.usable_cores` (the trainers' thread count): a job holding 2 cores of a
+    64-core node gets 2 threads, not 64 (os.cpu_count counts the node)."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {4, 5})
+    monkeypatch.setattr("os.cpu_count", lambda: 64)
+    assert distributed.usable_cores() == 2
+
+
+@pytest.mark.parametrize("env, threads", [({}, 4), ({"SLURM_CPUS_PER_TASK": "8"}, 8),
+                                          ({"SLURM_CPUS_PER_TASK": "32"}, 16),
+                                          ({"SLURM_CPUS_PER_TASK": "8", "SUBMITIT_LOCAL_JOB_ID": "7"}, 4)])
+def test_each_rank_takes_its_share_of_the_cores(monkeypatch, env, threads):
+    """Pins `distributed.rank_threads` for 4 ranks on 16 usable cores: a quarter each; a Slurm task
+    its cpus per task (at most the cores it sees); the local executor's ranks, which share its
+    cores, a quarter whatever Slurm job runs it."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    for name in ("SLURM_CPUS_PER_TASK", "SUBMITIT_LOCAL_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert distributed.rank_threads(4) == threads

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hpcrl import commit, distributed, replay
+from hpcrl import commit, replay
 
 CPU2 = {"utilisation": {"device_type": "cpu", "devices": 2}, "device": {"name": "Xeon", "threads": 2},
         "world_size": 1, "packages": {"torch": "2.13.0"}}
@@ -148,11 +148,3 @@ def test_update_disagreement_reads_every_shard_and_sizes_the_update_by_the_share
     (tmp_path / "empty").mkdir()
     assert replay.update_disagreement(a, b, tmp_path / "empty") == float("inf")
     assert replay.update_disagreement(a, a, tmp_path / "empty") == 0.0
-
-
-def test_a_process_uses_the_cores_it_may_run_on_not_the_nodes(monkeypatch):
-    """Pins `distributed.usable_cores` (the trainers' thread count): a job holding 2 cores of a
-    64-core node gets 2 threads, not 64 (os.cpu_count counts the node)."""
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {4, 5})
-    monkeypatch.setattr("os.cpu_count", lambda: 64)
-    assert distributed.usable_cores() == 2

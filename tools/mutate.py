@@ -43,7 +43,7 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name: (modules
                ("test_config", "test_plan", "test_run_creation", "test_docs", "test_stage_kinds",
                 "test_shards")),
     "commit": (("commit", "stage"), ("test_commit", "test_shards", "test_stage_runner")),
-    "replay": (("replay",), ("test_replay_verdicts",)),
+    "replay": (("replay",), ("test_replay_verdicts", "test_replay_across")),
     "weight_sync": (("weight_sync", "transports", "agreement"), ("test_weight_sync", "test_agreement")),
     "preemption": (("preemption",), ("test_preemption_ranks",)),
     "critic": (("critic",), ("test_critic",)),
