@@ -234,7 +234,9 @@ def _across(gaps: UpdateGaps, judging: Judging, lines: list[str]) -> tuple[bool,
     lines.append(f"judged across environments: per-step loss within {loss_tol:.0e} (relative), the weight "
                  f"update within {update_tol:.0%} of the original's")
     if gaps.update is None:
-        lines.append("weight update: not judged without the policy the update started from")
+        why = "without the policy the update started from" if judging.start is None else (
+            "between tensors of other shapes")
+        lines.append(f"weight update: not judged {why}")
     else:
         lines.append(f"weight update: the replay's differs from the original's by {gaps.update:.2e} "
                      "of its size")

@@ -46,11 +46,14 @@ def _step(weights: dict, scale: float, seed: int = 1) -> dict:
     return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in weights.items()}
 
 
-def _verdict(tmp_path, start_dir, a_policy, b_policy, a_losses, b_losses, env_b=CPU1, bits=32,
+def _verdict(tmp_path, start_dir, a_policy, b_policy, a_losses, b_losses, env_b=CPU1, bits=None,
              with_start=True):
+    """compare's report and text; `bits` None: compare's default precision class (32)."""
     a = _commit_update(tmp_path / "a", a_policy, a_losses, CPU2)
     b = _commit_update(tmp_path / "b", b_policy, b_losses, env_b)
-    report = replay.compare(a, b, "update", start_dir if with_start else None, bits)
+    start = start_dir if with_start else None
+    args = (a, b, "update", start) if bits is None else (a, b, "update", start, bits)
+    report = replay.compare(*args)
     return report, replay.format_report(report, a, b, {}).splitlines()
 
 
@@ -62,6 +65,8 @@ def test_environment_changes_name_what_differs_and_leave_out_what_is_not_recorde
     assert replay.environment_changes(CPU2, CPU1) == ["devices 2 -> 1", "threads 2 -> 1"]
     assert replay.environment_changes(CPU2, other) == ["device type cpu -> gpu", "devices 2 -> 8",
                                                       "device Xeon -> NVIDIA H200", "ranks 1 -> 8"]
+    assert replay.environment_changes(CPU2, {**CPU2, "packages": {"torch": "2.14.0"}}) == [
+        "torch 2.13.0 -> 2.14.0"]
     assert replay.environment_changes(CPU2, CPU2) == []
     assert replay.environment_changes({}, CPU1) == []
 
@@ -123,13 +128,24 @@ def test_across_environments_an_update_without_its_starting_policy_is_not_judged
     assert "weight update: not judged without the policy the update started from" in lines
 
 
+def test_a_tensor_of_another_shape_across_environments_differs_and_is_named(tmp_path, start):
+    """A shape mismatch is an infinite difference on any environment: named, and no update
+    agreement computed (b - a of two shapes would broadcast or raise)."""
+    start_dir, weights = start
+    a = _step(weights, 1e-2)
+    b = {**a, "mlp.weight": a["mlp.weight"][:, :4].clone()}
+    report, lines = _verdict(tmp_path, start_dir, a, b, [0.5], [0.5])
+    assert not report.match and "policy weights: max difference inf (in mlp.weight)" in lines
+    assert "weight update: not judged between tensors of other shapes" in lines
+
+
 def test_16_bit_models_allow_a_wider_update_gap(tmp_path, start):
     """Pins the precision classes: an update 0.3 of its size apart is different in float32 and a
     match in 16 bits (whose saved weights round updates of this size)."""
     start_dir, weights = start
     a = _step(weights, 1e-2)
     b = {k: weights[k] + 1.3 * (v - weights[k]) for k, v in a.items()}
-    assert not _verdict(tmp_path / "32", start_dir, a, b, [0.5], [0.5], bits=32)[0].match
+    assert not _verdict(tmp_path / "32", start_dir, a, b, [0.5], [0.5])[0].match  # float32 by default
     assert _verdict(tmp_path / "16", start_dir, a, b, [0.5], [0.5], bits=16)[0].match
     assert (replay.bits("float32"), replay.bits("bfloat16"), replay.bits("float16")) == (32, 16, 16)
 

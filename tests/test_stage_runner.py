@@ -106,6 +106,27 @@ def test_process_age_is_the_seconds_since_the_process_started(monkeypatch):
     assert 0.0 < stage.process_age() < 7 * 86400
 
 
+def test_the_device_is_the_cpu_model_and_threads_or_the_gpu_that_cuda_started_on(monkeypatch):
+    """Pins `stage.device`: torch's thread count and the CPU's model (the first 'model name' of
+    /proc/cpuinfo); the GPU's name once CUDA is initialised (a stand-in torch here); no threads in a
+    process without torch."""
+    import torch
+
+    with open("/proc/cpuinfo") as f:
+        first = next(line for line in f if line.startswith("model name")).split(":", 1)[1].strip()
+    assert stage.cpu_model() == first
+    assert stage.device() == {"name": first, "threads": torch.get_num_threads()}
+    cuda = types.SimpleNamespace(is_initialized=lambda: True, current_device=lambda: 1,
+                                 get_device_name=lambda i: f"NVIDIA H200 #{i}")
+    with monkeypatch.context() as m:  # undone before the teardown, where pytest-randomly seeds torch
+        m.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda, get_num_threads=lambda: 3))
+        assert stage.device() == {"name": "NVIDIA H200 #1", "threads": 3}
+        cuda.is_initialized = lambda: False
+        assert stage.device() == {"name": first, "threads": 3}
+        m.setitem(sys.modules, "torch", None)  # a process that never imported torch
+        assert stage.device() == {"name": first, "threads": None}
+
+
 def test_a_stage_manifest_records_the_attempt(root, clock, monkeypatch, capsys):
     """Pins: a manifest key renamed or dropped (stage, iteration, seed, notes, packages, host, node,
     world_size, job_id, the startup timing), the node taken from the host when Slurm names it, a
@@ -137,6 +158,7 @@ def test_a_stage_manifest_records_the_attempt(root, clock, monkeypatch, capsys):
     assert manifest["packages"]["pyarrow"] == pa.__version__
     assert (manifest["host"], manifest["node"]) == (socket.gethostname(), "node7")
     assert (manifest["world_size"], manifest["job_id"]) == (1, "42")
+    assert manifest["device"] == stage.device()  # what computed it (hpcrl.replay.environment)
     assert "shard" not in manifest
     assert manifest["timings"] == {"startup": 0.0, "total": 0.5}
     use = manifest["utilisation"]
