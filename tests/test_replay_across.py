@@ -116,6 +116,18 @@ def test_losses_across_environments_are_judged_relative_to_their_size(tmp_path, 
             f"(2 and {len(losses)} steps)" in lines) is not match
 
 
+def test_exactly_at_the_tolerances_across_environments_is_within_them(tmp_path):
+    """Pins both bounds as 'at most': a step's loss 1e-4 from 0 (exact in float64), and an update
+    of 20 that the replay makes 21 (sqrt(1 / 400): exactly 0.05 in float64)."""
+    (tmp_path / "s").mkdir()
+    save_file({"w": torch.zeros(1, dtype=torch.float64)}, str(tmp_path / "s" / "model.safetensors"))
+    a, b = {"w": torch.tensor([20.0], dtype=torch.float64)}, {"w": torch.tensor([21.0], dtype=torch.float64)}
+    report, lines = _verdict(tmp_path, tmp_path / "s", a, b, [0.0, 0.5], [1e-4, 0.5])
+    assert report.match, lines
+    assert "weight update: the replay's differs from the original's by 5.00e-02 of its size" in lines
+    assert not any("beyond the tolerance" in line for line in lines)
+
+
 def test_across_environments_an_update_without_its_starting_policy_is_not_judged_a_match(tmp_path, start):
     """Fails closed: without the policy the update started from, the weights cannot be judged
     across environments, so equal losses alone are not a match."""
