@@ -54,11 +54,15 @@ def package_versions() -> dict[str, str]:
 
 def device() -> dict:
     """What this process computed on, recorded with each stage (hpcrl.replay judges a replay on
-    other hardware with other tolerances): the GPU's name when it initialised CUDA, else the CPU's
-    model; and torch's intra-op threads, whose number sets the order CPU kernels sum in."""
+    other hardware with other tolerances): the GPU's name when it initialised CUDA; None when it
+    holds GPUs it did not open itself (vLLM's worker processes did: opening one here would take GPU
+    memory); else the CPU's model. And torch's intra-op threads, whose number sets the order CPU
+    kernels sum in."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         name = torch.cuda.get_device_name(torch.cuda.current_device())
+    elif utilisation.held()[1] == "gpu":
+        name = None
     else:
         name = cpu_model()
     return {"name": name, "threads": torch.get_num_threads() if torch is not None else None}

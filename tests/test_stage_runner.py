@@ -108,8 +108,8 @@ def test_process_age_is_the_seconds_since_the_process_started(monkeypatch):
 
 def test_the_device_is_the_cpu_model_and_threads_or_the_gpu_that_cuda_started_on(monkeypatch):
     """Pins `stage.device`: torch's thread count and the CPU's model (the first 'model name' of
-    /proc/cpuinfo); the GPU's name once CUDA is initialised (a stand-in torch here); no threads in a
-    process without torch."""
+    /proc/cpuinfo); the GPU's name once CUDA is initialised (a stand-in torch here), no name for
+    GPUs held but not opened; no threads in a process without torch."""
     import torch
 
     with open("/proc/cpuinfo") as f:
@@ -117,12 +117,14 @@ def test_the_device_is_the_cpu_model_and_threads_or_the_gpu_that_cuda_started_on
     assert stage.cpu_model() == first
     assert stage.device() == {"name": first, "threads": torch.get_num_threads()}
     cuda = types.SimpleNamespace(is_initialized=lambda: True, current_device=lambda: 1,
-                                 get_device_name=lambda i: f"NVIDIA H200 #{i}")
+                                 get_device_name=lambda i: f"NVIDIA H200 #{i}", device_count=lambda: 0)
     with monkeypatch.context() as m:  # undone before the teardown, where pytest-randomly seeds torch
         m.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda, get_num_threads=lambda: 3))
         assert stage.device() == {"name": "NVIDIA H200 #1", "threads": 3}
         cuda.is_initialized = lambda: False
         assert stage.device() == {"name": first, "threads": 3}
+        cuda.device_count = lambda: 2  # GPUs it holds but did not open (vLLM's workers did)
+        assert stage.device() == {"name": None, "threads": 3}
         m.setitem(sys.modules, "torch", None)  # a process that never imported torch
         assert stage.device() == {"name": first, "threads": None}
 
