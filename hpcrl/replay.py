@@ -30,7 +30,7 @@ LOSS_TOL = 1e-6  # absolute, per optimizer step
 # another order, so the weights are not compared one by one (Adam's first steps move a weight by
 # about lr x the sign of its gradient, which flips where a gradient is near 0) but as one update:
 # |new - start| of the replay against the original's, relative to the original's (32-bit, 16-bit).
-# Measured on the demo: 1.9e-4 and losses within 4.3e-6 between 2 and 1 CPU threads; on an H200
+# Measured on the demo: at most 1.9e-4, losses within 4.3e-6, between 2 and 1 CPU threads; on an H200
 # against a CPU, losses within 1.2e-7 (docs/debugging.md). A doubled learning rate is 1.0.
 ACROSS_LOSS_TOL = {32: 1e-4, 16: 1e-2}  # relative to max(1, |loss|)
 ACROSS_UPDATE_TOL = {32: 0.05, 16: 0.5}

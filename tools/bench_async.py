@@ -16,10 +16,11 @@ device-weighted total.
 
 A second table splits the generator's allocated time per iteration: busy (sampling and rewards),
 waiting for trainer 0's weights (sync/wait_s), loading them into vLLM (sync/load_s), the probe
-(sync/probe_s), and the rest (the stages' reads, writes and commits, the score stage's
-bookkeeping). An iteration takes at least the generator's floor, busy + load + probe (all on
-its device, between two generations), and at least the trainer's busy time, which bounds the
-mean utilisation by (generator busy + trainer busy) / (2 x the longer of the two).
+(sync/probe_s), the score stage beyond its rewards' compute (reading the rollouts, writing and
+committing the scores), and the rest (the generation's writes and commit, the loop between stages).
+An iteration takes at least the generator's floor, busy + load + probe (all on its device, between
+two generations), and at least the trainer's busy time, which bounds the mean utilisation by
+(generator busy + trainer busy) / (2 x the longer of the two).
 """
 
 from __future__ import annotations
@@ -83,10 +84,13 @@ def generator_split(manifests: list[dict], roles: dict, iterations: int) -> dict
     generations = [m["metrics"] for m in manifests if m and m["stage"] == "generate"]
     sync = {name: sum(g.get(f"sync/{name}", 0.0) for g in generations) / iterations
             for name in ("wait_s", "load_s", "probe_s")}
+    score = sum(m["utilisation"]["allocated_s"] - m["utilisation"]["busy_s"]
+                for m in manifests if m and m["stage"] == "score") / iterations
     busy, allocated = gen.busy / iterations, gen.allocated / iterations
     floor = max(busy + sync["load_s"] + sync["probe_s"], trainer.busy / iterations)
     return {"gen busy": busy, "gen wait": sync["wait_s"], "gen load": sync["load_s"],
-            "gen probe": sync["probe_s"], "gen rest": allocated - busy - sum(sync.values()),
+            "gen probe": sync["probe_s"], "gen score": score,
+            "gen rest": allocated - busy - sum(sync.values()) - score,
             "bound": (gen.busy + trainer.busy) / iterations / (2 * floor)}
 
 
@@ -125,15 +129,16 @@ def main() -> None:
     print_split(args.models.split(","), [s for s in levels if s > 0], results)
 
 
-SPLIT = ("gen busy", "gen wait", "gen load", "gen probe", "gen rest", "bound")
+SPLIT = ("gen busy", "gen wait", "gen load", "gen probe", "gen score", "gen rest", "bound")
 
 
 def print_split(models: list[str], levels: list[int], results: dict) -> None:
     """Where the generator's time goes at each s > 0, and the bound its floor sets (docstring)."""
     print("\ngenerator's allocated ms per iteration (medians); bound = the most mean utilisation an "
           "iteration no shorter than the generator's busy + load + probe, nor the trainer's busy, allows")
-    print("| model | max_staleness | busy | waiting for weights | loading them | probe | rest | bound |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | max_staleness | busy | waiting for weights | loading them | probe | score stage | rest "
+          "| bound |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for model in models:
         for s in levels:
             med = {c: statistics.median(r.get(c, float("nan")) for r in results[(model, s)]) for c in SPLIT}
