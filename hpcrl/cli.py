@@ -346,7 +346,7 @@ def replay(run_dir: Path, iteration: int, stage: str, sets: tuple[str, ...], out
     Exit 0 only when the replay matches (byte-identical, or within tolerance for generate/update).
     """
     from hpcrl import replay as rp
-    from hpcrl import runs
+    from hpcrl import replay_forced, runs
 
     try:
         overrides = config.parse_assignments(sets)
@@ -359,8 +359,9 @@ def replay(run_dir: Path, iteration: int, stage: str, sets: tuple[str, ...], out
     except (commit.CorruptOutputError, FileExistsError, RuntimeError) as err:
         _fail(str(err), 1)
     original, replayed = run.stage_dir(iteration, stage), replay_run.stage_dir(iteration, stage)
+    sampled_from = run.policy_dir(plan.policy_version(exp, iteration), exp.model.path)
     report = rp.compare(original, replayed, stage, run.policy_dir(iteration, exp.model.path),
-                        rp.bits(replay_exp.model.dtype))
+                        rp.bits(replay_exp.model.dtype), replay_forced.for_replay(sampled_from, replay_exp))
     click.echo(rp.format_report(report, original, replayed, overrides))
     sys.exit(0 if report.match else 1)
 

@@ -41,9 +41,11 @@ def checkpoint_layers(model) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def sequence_logprobs(model, sequences: list[list[int]], pad_id: int, device) -> list[list[float]]:
-    """Logprobs (temperature 1) of tokens 1.. of each sequence under `model`, the sequences padded
-    into one batch: the trainer's side of the weight-sync probe (hpcrl.resident_sync)."""
+def sequence_logprobs(model, sequences: list[list[int]], pad_id: int, device,
+                      temperature: float = 1.0) -> list[list[float]]:
+    """Logprobs (at `temperature`) of tokens 1.. of each sequence under `model`, the sequences
+    padded into one batch: the trainer's side of the weight-sync probe (hpcrl.resident_sync), and
+    a generate replay's teacher forcing (hpcrl.replay_forced)."""
     import torch
 
     from hpcrl import losses
@@ -57,5 +59,5 @@ def sequence_logprobs(model, sequences: list[list[int]], pad_id: int, device) ->
     ids, attn = ids.to(device), attn.to(device)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-    lp = losses.token_logprobs(logits, ids[:, 1:], 1.0)
+    lp = losses.token_logprobs(logits, ids[:, 1:], temperature)
     return [lp[b, : len(s) - 1].tolist() for b, s in enumerate(sequences)]

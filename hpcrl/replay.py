@@ -17,9 +17,10 @@ import numpy as np
 
 from hpcrl import commit, config, executors, plan, pruning, schemas
 from hpcrl.config import Experiment
+from hpcrl.replay_forced import Forced
 from hpcrl.retention import POLICY, TRAINER
 from hpcrl.rundir import RunDir
-from hpcrl.stage_kinds import GENERATE, SCORE, UPDATE
+from hpcrl.stage_kinds import GENERATE, UPDATE
 
 # Metrics that measure speed, not results: reported, never part of the verdict.
 NOISY = ("perf/", "timing_s/")
@@ -103,10 +104,11 @@ def _rows(stage_dir: Path, table: str, columns: list[str]) -> list[dict]:
     return commit.read_table(stage_dir, table, [*schemas.SAMPLE_KEYS, *columns]).to_pylist()
 
 
-def _generate_diff(a: Path, b: Path) -> tuple[bool, list[str]]:
-    """Token agreement per sample, and the logprob difference on the samples that agree."""
-    ra, rb = (_rows(a, "rollouts", ["response_ids", "logprobs"]),
-              _rows(b, "rollouts", ["response_ids", "logprobs"]))
+def _generate_diff(a: Path, b: Path, judging: Judging) -> tuple[bool, list[str]]:
+    """Token agreement per sample, and the logprob difference on the samples that agree; across
+    environments (`generate_across`) the original samples teacher-forced through the policy."""
+    cols = ["response_ids", "logprobs", *(["prompt_ids"] if judging.across else [])]
+    ra, rb = _rows(a, "rollouts", cols), _rows(b, "rollouts", ["response_ids", "logprobs"])
     if len(ra) != len(rb):
         return False, [f"samples: {len(ra)} in the original, {len(rb)} in the replay"]
     same = [x["response_ids"] == y["response_ids"] for x, y in zip(ra, rb, strict=True)]
@@ -118,9 +120,34 @@ def _generate_diff(a: Path, b: Path) -> tuple[bool, list[str]]:
              f"mean {np.mean([d for d, _ in diffs] or [0]):.2e}"]
     if not all(same):
         lines.append("first sample with other tokens: " + _sample_name(ra[same.index(False)]))
+    if judging.across:
+        return generate_across(ra, judging.forced, lines)
     if worst >= LOGPROB_TOL:
         lines.append(f"logprobs beyond the tolerance {LOGPROB_TOL:.0e}: worst at {_sample_name(worst_row)}")
     return all(same) and worst < LOGPROB_TOL, lines
+
+
+def generate_across(rows: list[dict], forced: Forced | None, lines: list[str]) -> tuple[bool, list[str]]:
+    """A generate stage replayed on another environment: its tokens may differ; the original
+    samples' tokens, scored by the policy here (hpcrl.replay_forced), must have the logprobs the
+    sampler recorded, within `forced.tol` on average."""
+    if forced is None:
+        lines.append("judged across environments: not judged without the policy the stage sampled from")
+        return False, lines
+    here = forced.score(rows)
+    gaps = [[abs(p - q) for p, q in zip(r["logprobs"], h, strict=True)]
+            for r, h in zip(rows, here, strict=True)]
+    tokens = [g for row in gaps for g in row]
+    mean = float(np.mean(tokens)) if tokens else 0.0
+    worst = max(range(len(rows)), key=lambda i: max(gaps[i], default=0.0), default=None)
+    lines.append(f"judged across environments: the original samples teacher-forced through the policy here "
+                 f"against the sampler's logprobs: mean difference {mean:.2e} (tolerance {forced.tol:.0e}), "
+                 f"max {max(tokens, default=0.0):.2e}")
+    ok = bool(np.isfinite(mean)) and mean <= forced.tol
+    if not ok:
+        lines.append("teacher-forced logprobs beyond the tolerance across environments: worst at "
+                     + _sample_name(rows[worst]))
+    return ok, lines
 
 
 def _score_diff(a: Path, b: Path) -> tuple[bool, list[str]]:
@@ -196,11 +223,13 @@ def update_disagreement(wa: dict, wb: dict, start: Path) -> float:
 @dataclass(frozen=True)
 class Judging:
     """How a replay is judged: `across` environments (they differ: hpcrl.replay.environment), an
-    update from the policy folder it started from (`start`), in a model of `bits` (32 or 16)."""
+    update from the policy folder it started from (`start`), in a model of `bits` (32 or 16), a
+    generation by teacher forcing its samples (`forced`: hpcrl.replay_forced)."""
 
     across: bool = False
     start: Path | None = None
     bits: int = 32
+    forced: Forced | None = None
 
 
 def _update_diff(a: Path, b: Path, judging: Judging = Judging()) -> tuple[bool, list[str]]:
@@ -249,7 +278,6 @@ def _across(gaps: UpdateGaps, judging: Judging, lines: list[str]) -> tuple[bool,
     return losses_agree and update_agrees, lines
 
 
-DIFFS = {GENERATE: _generate_diff, SCORE: _score_diff}  # the same verdict on any environment
 ENVIRONMENT = ("device type", "devices", "device", "threads", "ranks", "torch")
 
 
@@ -269,11 +297,13 @@ def environment_changes(a: dict, b: dict) -> list[str]:
             if ea[k] is not None and eb[k] is not None and ea[k] != eb[k]]
 
 
-def compare(original: Path, replayed: Path, stage: str, start: Path | None = None, bits: int = 32) -> Report:
+def compare(original: Path, replayed: Path, stage: str, start: Path | None = None, bits: int = 32,
+            forced: Forced | None = None) -> Report:
     """Byte identity of the committed files, and each stage's numeric view of what differs (shown
-    even when the bytes agree); a stage matches when its bytes or its numbers agree. An update
-    replayed on another environment is judged with the tolerances across environments, from
-    `start` (the policy folder it started from) in a model of `bits`."""
+    even when the bytes agree); a stage matches when its bytes or its numbers agree. On another
+    environment an update is judged with the tolerances across environments, from `start` (the
+    policy folder it started from) in a model of `bits`, and a generation by `forced`; a score
+    stage is deterministic on any environment."""
     ma, mb = commit.read_manifest(original), commit.read_manifest(replayed)
     identical = ma["files"] == mb["files"]
     lines = [f"files: {'byte-identical' if identical else 'different'} ({len(ma['files'])} files checked)"]
@@ -283,9 +313,10 @@ def compare(original: Path, replayed: Path, stage: str, start: Path | None = Non
         lines.append("differing files: " + ", ".join(differing[:8]))
     changes = environment_changes(ma, mb)
     lines.append("environment: " + (", ".join(changes) if changes else "the same"))
-    judging = Judging(bool(changes), start, bits)
+    judging = Judging(bool(changes), start, bits, forced)
     ok, more = (_update_diff(original, replayed, judging) if stage == UPDATE
-                else DIFFS[stage](original, replayed))
+                else _generate_diff(original, replayed, judging) if stage == GENERATE
+                else _score_diff(original, replayed))
     lines += more
     keys = sorted(set(ma["metrics"]) | set(mb["metrics"]))
     metrics = [(k, ma["metrics"].get(k), mb["metrics"].get(k)) for k in keys]

