@@ -25,14 +25,15 @@ def attention_for(config) -> str:
     return "sdpa"
 
 
-def load_causal_lm(path: str | Path, dtype, attn_implementation: str = "auto"):
+def load_causal_lm(path: str | Path, dtype, attn_implementation: str = "auto", **kwargs):
     """The causal LM at `path` with `attn_implementation` (model.attn_implementation; "auto": the
-    one `attention_for` chooses)."""
+    one `attention_for` chooses); `kwargs` go to from_pretrained (device_map)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if attn_implementation == "auto":
         attn_implementation = attention_for(AutoConfig.from_pretrained(path))
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                **kwargs)
 
 
 def checkpoint_layers(model) -> None:

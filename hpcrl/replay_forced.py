@@ -7,8 +7,8 @@ policy, computed on the replay's hardware, must give each original sample's toke
 the sampler recorded for them (teacher forcing), within the tolerance a run itself allows
 between its sampler and its trainer (`update.sampler_mismatch_tol`; by default a mean |difference|
 of 1e-3 in float32 and 5e-2 in 16-bit: hpcrl.agreement). The forward pass is the trainer's
-implementation (hpcrl.policy_model) at the run's sampling temperature, on this process's GPU
-when it has one, else its CPU.
+implementation (hpcrl.policy_model) at the run's sampling temperature, on the GPUs this process
+sees when it has any (split over them by transformers' device map), else on its CPU.
 """
 
 from __future__ import annotations
@@ -46,9 +46,11 @@ def logprobs(policy: Path, exp: Experiment, rows: list[dict], batch: int = BATCH
     greedy logprobs)."""
     import torch
 
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    # on GPUs spread over those this process sees (a model one GPU cannot hold), as transformers places it
+    placement = {"device_map": "auto"} if torch.cuda.is_available() else {}
     dtype = getattr(torch, exp.model.dtype)
-    model = policy_model.load_causal_lm(policy, dtype, exp.model.attn_implementation).to(device).eval()
+    model = policy_model.load_causal_lm(policy, dtype, exp.model.attn_implementation, **placement).eval()
+    device = model.device
     temperature = exp.generate.temperature or 1.0
     out: list[list[float]] = []
     for i in range(0, len(rows), batch):

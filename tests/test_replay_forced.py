@@ -49,6 +49,7 @@ def _one_token_changed(table: pa.Table) -> pa.Table:
 def _shifted(shift: float, row: int | None = None):
     """A stand-in forward pass: the recorded logprobs moved by `shift` (every row, or only `row`)."""
     def score(rows: list[dict]) -> list[list[float]]:
+        assert all(isinstance(r["prompt_ids"], list) for r in rows)  # what a forward pass is given
         return [[p + (shift if row in (None, i) else 0.0) for p in r["logprobs"]] for i, r in enumerate(rows)]
     return score
 
@@ -100,7 +101,39 @@ def test_a_forward_pass_that_gives_nan_is_not_a_match(tmp_path, rollouts):
 def test_without_the_policy_a_generation_across_environments_fails_closed(tmp_path, rollouts):
     report, text = _verdict(tmp_path, rollouts, _one_token_changed(rollouts), None)
     assert not report.match
-    assert "judged across environments: not judged without the policy the stage sampled from" in text
+    line = "judged across environments: not judged without the policy the stage sampled from"
+    assert line in text.splitlines()
+
+
+def _emptied(table: pa.Table, rows) -> pa.Table:
+    """`table` with the responses (tokens and logprobs) of `rows` empty."""
+    for column in ("response_ids", "logprobs"):
+        values = [[] if i in rows else v for i, v in enumerate(table[column].to_pylist())]
+        table = table.set_column(table.schema.get_field_index(column), column,
+                                 pa.array(values, table.schema.field(column).type))
+    return table
+
+
+def test_samples_without_tokens_or_no_samples_at_all_have_nothing_to_differ(tmp_path, rollouts):
+    """Pins the empty cases: no response token (or no sample) is a mean and largest difference of 0,
+    not a failure or NaN."""
+    empty = _emptied(rollouts, range(rollouts.num_rows))
+    report, text = _verdict(tmp_path, empty, empty, Forced(_shifted(1.0), TOL))
+    assert "mean difference 0.00e+00 (tolerance 1e-03), max 0.00e+00" in text and report.match
+    none = rollouts.slice(0, 0)
+    report, text = _verdict(tmp_path / "none", none, none, Forced(_shifted(1.0), TOL))
+    assert "mean difference 0.00e+00" in text and report.match
+
+
+def test_the_sample_named_is_the_one_that_differs_not_one_without_tokens(tmp_path, rollouts):
+    row = _first_nonempty(rollouts) + 2
+    table = _emptied(rollouts, {0, 1})
+    report, text = _verdict(tmp_path, table, _one_token_changed(table), Forced(_shifted(0.5, row), 1e-3))
+    r = table.slice(row, 1).to_pylist()[0]
+    assert not report.match
+    name = f"{r['split']} prompt {r['prompt_index']} sample {r['sample_index']}"
+    line = f"teacher-forced logprobs beyond the tolerance across environments: worst at {name}"
+    assert line in text.splitlines()
 
 
 def test_on_the_same_environment_tokens_must_agree_and_nothing_is_teacher_forced(tmp_path, rollouts):
@@ -147,7 +180,8 @@ def test_teacher_forcing_scores_each_response_token_at_the_sampling_temperature(
     """Pins `replay_forced.logprobs`: the response's tokens only (not the prompt's), under
     softmax(logits / temperature), independent of the batch size; an empty response has none."""
     exp = SimpleNamespace(model=SimpleNamespace(dtype="float32", attn_implementation="auto"),
-                          generate=SimpleNamespace(temperature=0.7))
+                          generate=SimpleNamespace(temperature=0.7),
+                          update=SimpleNamespace(sampler_mismatch_tol=0))
     g = torch.Generator().manual_seed(1)
     rows = [{"prompt_ids": torch.randint(64, (p,), generator=g).tolist(),
              "response_ids": torch.randint(64, (r,), generator=g).tolist()}
@@ -166,4 +200,24 @@ def test_teacher_forcing_scores_each_response_token_at_the_sampling_temperature(
         assert all(a == pytest.approx(b, abs=1e-5) for x, y in zip(got, expected, strict=True)
                    for a, b in zip(x, y, strict=True))
     exp.generate.temperature = 1.0
-    assert replay_forced.logprobs(tiny_policy, exp, rows[:1])[0] != pytest.approx(expected[0], abs=1e-3)
+    at_one = replay_forced.logprobs(tiny_policy, exp, rows[:1])
+    assert at_one[0] != pytest.approx(expected[0], abs=1e-3)
+    exp.generate.temperature = 0.0  # greedy: vLLM's logprobs are then the unscaled ones
+    assert replay_forced.logprobs(tiny_policy, exp, rows[:1]) == at_one
+    assert replay_forced.for_replay(tiny_policy, exp).score(rows[:1]) == at_one
+
+
+def test_the_policy_is_loaded_as_the_run_loads_it(tiny_policy, monkeypatch):
+    """The run's model.dtype and model.attn_implementation reach the loader."""
+    seen = []
+    load = policy_model.load_causal_lm
+
+    def spy(path, dtype, attn, **kwargs):
+        seen.append((path, dtype, attn))
+        return load(path, dtype, attn, **kwargs)
+
+    monkeypatch.setattr(policy_model, "load_causal_lm", spy)
+    exp = SimpleNamespace(model=SimpleNamespace(dtype="bfloat16", attn_implementation="eager"),
+                          generate=SimpleNamespace(temperature=1.0))
+    assert replay_forced.logprobs(tiny_policy, exp, [{"prompt_ids": [1, 2], "response_ids": [3]}])
+    assert seen == [(tiny_policy, torch.bfloat16, "eager")]
