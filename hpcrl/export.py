@@ -100,10 +100,10 @@ def export_policy(run: RunDir, exp: Experiment, version: int, dest: str | os.Pat
             written.append(dest / rel)
             digests[rel] = expected
         if version == 0 and exp.model.tokenizer and Path(exp.model.tokenizer) != Path(exp.model.path):
-            from transformers import AutoTokenizer
+            from hpcrl import policy_model
 
             before = set(tmp.rglob("*"))
-            AutoTokenizer.from_pretrained(exp.model.tokenizer).save_pretrained(tmp)
+            policy_model.save_tokenizer(exp.model.tokenizer, tmp)
             written += [dest / p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file() and p not in before]
         provenance = {"run": str(run.root), "run_id": run.read_run_info().get("run_id"), "version": version,
                       "source": origin, "sha256": digests}

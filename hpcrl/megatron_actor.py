@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpcrl import batches, commit, losses, megatron_convert, megatron_shims
+from hpcrl import batches, commit, losses, megatron_convert, megatron_shims, policy_model
 from hpcrl.batches import MicroBatch, Samples, response_values
 from hpcrl.config import Experiment
 from hpcrl.step_loss import StepInputs, StepLoss, logprobs_and_entropy
@@ -325,14 +325,14 @@ class MegatronActor:
 
     def save_policy(self, out: Path) -> None:
         """HF-format weights and tokenizer, as the DeepSpeed backend saves them (a collective)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         state = self.hf_weights()
         if self.rank == 0:
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(self.hf_config, torch_dtype=torch.float32)
             model.save_pretrained(out, state_dict=state, safe_serialization=True)
-            AutoTokenizer.from_pretrained(self.exp.tokenizer_path).save_pretrained(out)
+            policy_model.save_tokenizer(self.exp.tokenizer_path, out)
         dist.barrier()
 
     def _state_files(self, directory: Path) -> tuple[Path, Path, Path]:

@@ -36,6 +36,22 @@ def load_causal_lm(path: str | Path, dtype, attn_implementation: str = "auto", *
                                                 **kwargs)
 
 
+# How a tokenizer was loaded, which transformers keeps among its settings and saves: whether the
+# hub was reachable (HF_HUB_OFFLINE, which a stage job sets) and whether the path was a folder.
+LOADING_KWARGS = ("local_files_only", "is_local")
+
+
+def save_tokenizer(source: str | Path, out: str | Path) -> None:
+    """The tokenizer at `source` saved into `out` (beside a policy's weights), the same bytes
+    whichever process saves it: without the settings of how it was loaded (LOADING_KWARGS)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    for key in LOADING_KWARGS:
+        tokenizer.init_kwargs.pop(key, None)
+    tokenizer.save_pretrained(out)
+
+
 def checkpoint_layers(model) -> None:
     """Recompute each decoder layer in the backward pass (update.gradient_checkpointing); the
     non-reentrant form, which needs no input that requires grad and keeps autograd's hooks."""

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpcrl import batches, lora, losses
+from hpcrl import batches, lora, losses, policy_model
 from hpcrl.batches import MicroBatch, Samples, micro_batches, response_outputs, response_values
 from hpcrl.config import Experiment
 from hpcrl.config_training import UpdateConfig, deepspeed_stage
@@ -276,7 +276,6 @@ def unpad_rows(values: torch.Tensor, mask: torch.Tensor) -> dict[int, list[float
 
 def save_policy(engine, exp: Experiment, out: Path, rank: int) -> None:
     """HF-format weights (and tokenizer) of the engine's model, loadable by from_pretrained and vLLM."""
-    from transformers import AutoTokenizer
 
     if exp.update.zero_stage == 3:
         state = engine._zero3_consolidated_16bit_state_dict()  # collective: every rank calls it
@@ -289,7 +288,7 @@ def save_policy(engine, exp: Experiment, out: Path, rank: int) -> None:
             lora.save_adapters(model, state, out / "adapter")
             state = lora.merged(state, scale)
         model.save_pretrained(out, state_dict=state, safe_serialization=True)
-        AutoTokenizer.from_pretrained(exp.tokenizer_path).save_pretrained(out)
+        policy_model.save_tokenizer(exp.tokenizer_path, out)
     if dist.is_initialized():
         dist.barrier()
 

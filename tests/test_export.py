@@ -108,3 +108,25 @@ def test_corrupted_weights_are_named_and_nothing_is_left(run, tmp_path):
     assert f"error: {weights}: size or checksum mismatch with its manifest" in out.stderr
     assert "Traceback" not in out.stderr
     assert not dest.exists() and not list(tmp_path.glob(".v1.export-tmp"))
+
+
+def test_a_saved_tokenizer_has_the_same_bytes_whether_the_hub_was_reachable(tiny_task, tmp_path, monkeypatch):
+    """Pins `policy_model.save_tokenizer`: transformers saves how a tokenizer was loaded
+    (`local_files_only` follows HF_HUB_OFFLINE, which stage jobs set and a resident trainer's
+    process may not have), which made a policy's tokenizer_config.json differ between a run and
+    its replay."""
+    import huggingface_hub.constants as hub
+
+    from hpcrl import policy_model
+
+    saved = []
+    for offline in (False, True):
+        monkeypatch.setattr(hub, "HF_HUB_OFFLINE", offline)
+        out = tmp_path / f"offline-{offline}"
+        policy_model.save_tokenizer(tiny_task / "model", out)
+        saved.append({p.name: p.read_bytes() for p in out.iterdir()})
+    assert saved[0] == saved[1] and "tokenizer_config.json" in saved[0]
+    assert not set(json.loads(saved[0]["tokenizer_config.json"])) & set(policy_model.LOADING_KWARGS)
+    text = "12+34="
+    assert (AutoTokenizer.from_pretrained(tmp_path / "offline-True")(text).input_ids
+            == AutoTokenizer.from_pretrained(tiny_task / "model")(text).input_ids)
