@@ -51,9 +51,13 @@ def logprobs(policy: Path, exp: Experiment, rows: list[dict], batch: int = BATCH
     dtype = getattr(torch, exp.model.dtype)
     model = policy_model.load_causal_lm(policy, dtype, exp.model.attn_implementation, **placement).eval()
     device = model.device
+    from tqdm import tqdm
+
     temperature = exp.generate.temperature or 1.0
     out: list[list[float]] = []
-    for i in range(0, len(rows), batch):
+    starts = tqdm(range(0, len(rows), batch), desc="teacher forcing", unit="batch",
+                  disable=None, leave=False)  # a bar where a person waits (a terminal), none in a log
+    for i in starts:
         chunk = rows[i:i + batch]
         seqs = [list(r["prompt_ids"]) + list(r["response_ids"]) for r in chunk]
         for lp, r in zip(policy_model.sequence_logprobs(model, seqs, 0, device, temperature), chunk,
