@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcrl import commit, config, executors, plan, pruning, schemas
+from hpcrl import agreement, commit, config, executors, plan, pruning, schemas
 from hpcrl.config import Experiment
 from hpcrl.replay_forced import Forced
 from hpcrl.retention import POLICY, TRAINER
@@ -135,16 +135,16 @@ def generate_across(rows: list[dict], forced: Forced | None, lines: list[str]) -
         lines.append("judged across environments: not judged without the policy the stage sampled from")
         return False, lines
     here = forced.score(rows)
-    gaps = [[abs(p - q) for p, q in zip(r["logprobs"], h, strict=True)]
-            for r, h in zip(rows, here, strict=True)]
-    tokens = [g for row in gaps for g in row]
-    mean = float(np.mean(tokens)) if tokens else 0.0
-    worst = max(range(len(rows)), key=lambda i: max(gaps[i], default=0.0), default=None)
+    sampled = [r["logprobs"] for r in rows]
+    gap = agreement.sampler_mismatch(dict(enumerate(here)), sampled)  # as the update measures it
+    mean = gap["rollout/logprob_diff_mean"]
     lines.append(f"judged across environments: the original samples teacher-forced through the policy here "
                  f"against the sampler's logprobs: mean difference {mean:.2e} (tolerance {forced.tol:.0e}), "
-                 f"max {max(tokens, default=0.0):.2e}")
+                 f"max {gap['rollout/logprob_diff_max']:.2e}, KL {gap['rollout/sampler_kl']:.2e}")
     ok = bool(np.isfinite(mean)) and mean <= forced.tol
     if not ok:
+        worst = max(range(len(rows)),
+                    key=lambda i: float(np.max(np.abs(np.subtract(here[i], sampled[i])), initial=0.0)))
         lines.append("teacher-forced logprobs beyond the tolerance across environments: worst at "
                      + _sample_name(rows[worst]))
     return ok, lines
