@@ -160,6 +160,13 @@ def sample(llm, requests: list[Request], n: int, temperature: float, top_p: floa
     return pa.table(cols)
 
 
+def logprob_temperature(exp: Experiment, split: str) -> float:
+    """The temperature of the distribution whose logprobs a rollout row of `split` records: training
+    samples are drawn at generate.temperature; validation and ReMax's baseline greedily, and vLLM
+    gives greedy logprobs unscaled (temperature 1), as for a generate.temperature of 0."""
+    return (exp.generate.temperature or 1.0) if split == "train" else 1.0
+
+
 def train_requests(exp: Experiment, iteration: int, tokenizer, prompts: pa.Table | None = None,
                    sampling_round: int = 0) -> tuple[Request, ...]:
     """The training requests of one sampling round of an iteration (none after the last iteration)."""

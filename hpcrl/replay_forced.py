@@ -7,7 +7,7 @@ policy, computed on the replay's hardware, must give each original sample's toke
 the sampler recorded for them (teacher forcing), within the tolerance a run itself allows
 between its sampler and its trainer (`update.sampler_mismatch_tol`; by default a mean |difference|
 of 1e-3 in float32 and 5e-2 in 16-bit: hpcrl.agreement). The forward pass is the trainer's
-implementation (hpcrl.policy_model) at the run's sampling temperature, on the GPUs this process
+implementation (hpcrl.policy_model) at the temperature each sample was drawn at, on the GPUs this process
 sees when it has any (split over them by transformers' device map), else on its CPU.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcrl import agreement, policy_model
+from hpcrl import agreement, generation, policy_model
 from hpcrl.config import Experiment
 
 BATCH = 8  # sequences per forward pass
@@ -42,25 +42,26 @@ def for_replay(policy: Path, exp: Experiment) -> Forced:
 
 def logprobs(policy: Path, exp: Experiment, rows: list[dict], batch: int = BATCH) -> list[list[float]]:
     """The logprobs of each row's response tokens under the policy at `policy`, given its prompt
-    and the response tokens before them, at the sampling temperature (0, greedy: 1, as vLLM's
-    greedy logprobs)."""
+    and the response tokens before them, at the temperature its logprobs were recorded at
+    (generation.logprob_temperature: its split's)."""
     import torch
+    from tqdm import tqdm
 
     # on GPUs spread over those this process sees (a model one GPU cannot hold), as transformers places it
     placement = {"device_map": "auto"} if torch.cuda.is_available() else {}
     dtype = getattr(torch, exp.model.dtype)
     model = policy_model.load_causal_lm(policy, dtype, exp.model.attn_implementation, **placement).eval()
     device = model.device
-    from tqdm import tqdm
-
-    temperature = exp.generate.temperature or 1.0
-    out: list[list[float]] = []
-    starts = tqdm(range(0, len(rows), batch), desc="teacher forcing", unit="batch",
-                  disable=None, leave=False)  # a bar where a person waits (a terminal), none in a log
-    for i in starts:
-        chunk = rows[i:i + batch]
-        seqs = [list(r["prompt_ids"]) + list(r["response_ids"]) for r in chunk]
-        for lp, r in zip(policy_model.sequence_logprobs(model, seqs, 0, device, temperature), chunk,
-                         strict=True):
-            out.append(lp[len(lp) - len(r["response_ids"]):])
+    out: list[list[float]] = [[] for _ in rows]
+    temperatures = [generation.logprob_temperature(exp, r["split"]) for r in rows]
+    for temperature in sorted(set(temperatures)):
+        todo = [i for i, t in enumerate(temperatures) if t == temperature]
+        starts = tqdm(range(0, len(todo), batch), desc=f"teacher forcing at temperature {temperature:g}",
+                      unit="batch", disable=None, leave=False)  # a bar on a terminal, none in a log
+        for start in starts:
+            chunk = todo[start:start + batch]
+            seqs = [list(rows[i]["prompt_ids"]) + list(rows[i]["response_ids"]) for i in chunk]
+            for lp, i in zip(policy_model.sequence_logprobs(model, seqs, 0, device, temperature), chunk,
+                             strict=True):
+                out[i] = lp[len(lp) - len(rows[i]["response_ids"]):]
     return out

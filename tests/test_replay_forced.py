@@ -176,35 +176,38 @@ def tiny_policy(tmp_path_factory):
     return path
 
 
-def test_teacher_forcing_scores_each_response_token_at_the_sampling_temperature(tiny_policy):
+def test_teacher_forcing_scores_each_response_token_at_the_temperature_it_was_drawn_at(tiny_policy):
     """Pins `replay_forced.logprobs`: the response's tokens only (not the prompt's), under
-    softmax(logits / temperature), independent of the batch size; an empty response has none."""
+    softmax(logits / temperature) for training samples and unscaled for the greedy ones
+    (validation, ReMax's baseline: vLLM's greedy logprobs), independent of the batch size; an
+    empty response has none."""
     exp = SimpleNamespace(model=SimpleNamespace(dtype="float32", attn_implementation="auto"),
                           generate=SimpleNamespace(temperature=0.7),
                           update=SimpleNamespace(sampler_mismatch_tol=0))
     g = torch.Generator().manual_seed(1)
-    rows = [{"prompt_ids": torch.randint(64, (p,), generator=g).tolist(),
-             "response_ids": torch.randint(64, (r,), generator=g).tolist()}
-            for p, r in [(5, 3), (2, 7), (4, 0)]]
+    shapes = [("train", 5, 3), ("val", 3, 4), ("train", 2, 7), ("baseline", 4, 2), ("train", 4, 0)]
+    rows = [{"split": split, "prompt_ids": torch.randint(64, (p,), generator=g).tolist(),
+             "response_ids": torch.randint(64, (r,), generator=g).tolist()} for split, p, r in shapes]
     model = policy_model.load_causal_lm(tiny_policy, torch.float32).eval()
-    expected = []
-    for r in rows:
-        ids = torch.tensor([r["prompt_ids"] + r["response_ids"]])
+
+    def expected(row, temperature):
+        ids = torch.tensor([row["prompt_ids"] + row["response_ids"]])
         with torch.no_grad():
-            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1] / 0.7, dim=-1)
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1] / temperature, dim=-1)
         whole = logp.gather(1, ids[0, 1:, None])[:, 0].tolist()
-        expected.append(whole[len(whole) - len(r["response_ids"]):])
+        return whole[len(whole) - len(row["response_ids"]):]
+
+    want = [expected(r, 0.7 if r["split"] == "train" else 1.0) for r in rows]
     for batch in (1, 8):
         got = replay_forced.logprobs(tiny_policy, exp, rows, batch=batch)
-        assert [len(x) for x in got] == [3, 7, 0]
-        assert all(a == pytest.approx(b, abs=1e-5) for x, y in zip(got, expected, strict=True)
+        assert [len(x) for x in got] == [3, 4, 7, 2, 0]
+        assert all(a == pytest.approx(b, abs=1e-5) for x, y in zip(got, want, strict=True)
                    for a, b in zip(x, y, strict=True))
-    exp.generate.temperature = 1.0
-    at_one = replay_forced.logprobs(tiny_policy, exp, rows[:1])
-    assert at_one[0] != pytest.approx(expected[0], abs=1e-3)
-    exp.generate.temperature = 0.0  # greedy: vLLM's logprobs are then the unscaled ones
-    assert replay_forced.logprobs(tiny_policy, exp, rows[:1]) == at_one
-    assert replay_forced.for_replay(tiny_policy, exp).score(rows[:1]) == at_one
+    assert want[0] != pytest.approx(expected(rows[0], 1.0), abs=1e-3)  # the temperature shows
+    exp.generate.temperature = 0.0  # greedy training samples: unscaled too
+    greedy = replay_forced.logprobs(tiny_policy, exp, rows[:2])
+    assert greedy[0] == pytest.approx(expected(rows[0], 1.0), abs=1e-5)
+    assert replay_forced.for_replay(tiny_policy, exp).score(rows[:2]) == greedy
 
 
 def test_the_policy_is_loaded_as_the_run_loads_it(tiny_policy, monkeypatch):
@@ -219,5 +222,6 @@ def test_the_policy_is_loaded_as_the_run_loads_it(tiny_policy, monkeypatch):
     monkeypatch.setattr(policy_model, "load_causal_lm", spy)
     exp = SimpleNamespace(model=SimpleNamespace(dtype="bfloat16", attn_implementation="eager"),
                           generate=SimpleNamespace(temperature=1.0))
-    assert replay_forced.logprobs(tiny_policy, exp, [{"prompt_ids": [1, 2], "response_ids": [3]}])
+    row = {"split": "train", "prompt_ids": [1, 2], "response_ids": [3]}
+    assert replay_forced.logprobs(tiny_policy, exp, [row])
     assert seen == [(tiny_policy, torch.bfloat16, "eager")]
