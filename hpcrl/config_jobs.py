@@ -126,6 +126,10 @@ class ResidentConfig(SlurmResources):
     overlap_commit: bool = Field(True, description="Commit each update (and write its checkpoint) in the "
                                  "background while the next generation runs; that generation commits only "
                                  "after it. Off: the generator waits for the commit.")
+    overlap_score: bool = Field(True, description="With algorithm.max_staleness >= 1: score each generation "
+                                "on a thread beside the next one, and command its update as soon as it is "
+                                "scored, so slow rewards (a sandbox, a judge) keep no device waiting. Off: "
+                                "the generator scores between two generations.")
     colocate: bool = Field(False, description="GPUs: the generator and the trainer share the GPUs; vLLM "
                            "sleeps (frees its memory) during each update, and the trainers move their state "
                            "to CPU memory while vLLM generates (docs/resident.md).")

@@ -7,7 +7,9 @@ the other engines (hpcrl.resident_engines): every engine loads each version it l
 generation is N shards, one per engine, merged once all are committed. With algorithm.max_staleness = s
 the generations of the next s iterations run while the trainers update: the engine loads an
 update's weights only when a generation needs that version (between two generations, so no
-sample mixes versions), and a generation commits only once the update that made its policy has.
+sample mixes versions), and a generation commits only once the update that made its policy has;
+each score stage then runs on a thread beside the next generation, which commands its update
+(hpcrl.resident_scores).
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import time
 
 from hpcrl import plan, resident_engines, resident_sync, stage_kinds, transports, versions, weight_sync
 from hpcrl.config import Experiment
+from hpcrl.resident_scores import BesideScores
 from hpcrl.roles import ControlPlane
 from hpcrl.rundir import RunDir
 from hpcrl.stage import run_stage
-from hpcrl.stage_kinds import GENERATE, UPDATE
+from hpcrl.stage_kinds import GENERATE, SCORE, UPDATE
 
 
 class Generator:
@@ -56,6 +59,10 @@ class Generator:
         streams = transports.TRANSPORTS[self.sync.transport].streams
         self.presend = exp.algorithm.max_staleness > 0 and not streams
         self.loads = 0  # the weight sends every engine has loaded (`loaded/<n>` for trainer 0)
+        self.beside = None  # the score stages on a thread beside the generations
+        if resident_sync.scores_beside(exp):
+            self.beside = BesideScores(self._score_beside, self._command_update,
+                                       lambda k: plan.trains(exp, k))
 
     def drive(self) -> None:
         try:
@@ -63,16 +70,22 @@ class Generator:
             while (nxt := self._next_stage()) is not None:
                 k, name = nxt
                 if name == UPDATE:
+                    self._collect(until=k)  # the updates before it, commanded from the scoring thread
                     self._start_update(k)
                 elif name == GENERATE:
                     self._hold(plan.policy_version(self.exp, k))
                     self._generate(k)
+                elif self.beside is not None:
+                    self.beside.submit(k)
                 else:
                     run_stage(name, self.run.root, k, self.score.run, startup=0.0)
+            self._collect(until=self.exp.run.iterations)
             while self.inflight:
                 self._finish_update()
             self._await_commit(*sorted(self.uncommitted))
         finally:
+            if self.beside is not None:
+                self.beside.close()
             self.score.close()
         self.fleet.wait(self.fleet.send({"op": "stop"}))
         self.plane.send({"op": "stop"})
@@ -138,14 +151,28 @@ class Generator:
         self.noise = metrics["sync/start_logp_diff"]  # what the probe cannot resolve (check_probe)
 
     def _next_stage(self) -> tuple[int, str] | None:
-        """The next stage to run: the first uncommitted one, but for the updates already commanded."""
-        pending = self.progress.pending()
-        return next(((k, s) for k, s in pending if not (s == UPDATE and k in self.started)), None)
+        """The next stage to run: the first uncommitted one, but for the updates already commanded
+        and the scores (with their updates) handed to the scoring thread."""
+        self._collect()
+        owned = self.beside.owns if self.beside is not None else (lambda k: False)
+        return next(((k, s) for k, s in self.progress.pending()
+                     if not (s == UPDATE and k in self.started) and not (s in (SCORE, UPDATE) and owned(k))),
+                    None)
+
+    def _collect(self, until: int | None = None) -> None:
+        """The updates the scoring thread commanded, in flight from now on (those of the scores up
+        to iteration `until` awaited)."""
+        for k, seq in self.beside.collect(until) if self.beside is not None else ():
+            self._in_flight(k, seq)
+
+    def _score_beside(self, k: int) -> None:
+        run_stage(SCORE, self.run.root, k, self.score.run, startup=0.0, beside=True)
 
     def _hold(self, version: int) -> None:
         """The engine holds policy `version` for the next generation: the updates in flight up to
         it finished (their weights loaded, in order), and the generation commits only once the
         update that made it has (`generate`'s await_policy)."""
+        self._collect(until=version - 1)  # the score of the update that makes it, when on the thread
         versions.hold(version, self.base, lambda: self.gen.version, self.inflight, self._load_saved,
                       self._finish_update)
         self.made_by = versions.made_by(version, self.uncommitted)
@@ -162,8 +189,14 @@ class Generator:
         the trainers update (its weights are loaded when a generation needs them: `_hold`)."""
         if self.colocated:  # free vLLM's GPU memory (weights and KV cache) for the update
             self.llm.sleep(level=2)
-        seq = self.plane.send({"op": UPDATE, "iteration": k, "probe": self.probe, "presend": self.presend,
-                               "checkpoint": resident_sync.checkpoint_due(self.exp, k)})
+        self._in_flight(k, self._command_update(k))
+
+    def _command_update(self, k: int) -> int:
+        """Command the update of iteration k (from either thread); its command number."""
+        return self.plane.send({"op": UPDATE, "iteration": k, "probe": self.probe, "presend": self.presend,
+                                "checkpoint": resident_sync.checkpoint_due(self.exp, k)})
+
+    def _in_flight(self, k: int, seq: int) -> None:
         self.inflight.append((k, seq))
         self.started.add(k)
         self.uncommitted.add(k)

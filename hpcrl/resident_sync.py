@@ -28,6 +28,14 @@ def commits_behind(exp: Experiment) -> bool:
     return r.overlap_commit and exp.algorithm.max_staleness == 0 and not r.colocate
 
 
+def scores_beside(exp: Experiment) -> bool:
+    """Whether the generator scores each generation on a thread beside the next one and commands
+    its update from there (hpcrl.resident_scores): with max_staleness > 0, where the next
+    generation needs no update of this one, and not colocated, where vLLM sleeps during updates."""
+    r = exp.executor.resident
+    return r.overlap_score and exp.algorithm.max_staleness > 0 and not r.colocate
+
+
 def probe_sequences(exp: Experiment, tokenizer) -> list[list[int]]:
     """Fixed token sequences (the first training prompts and their answers) both sides score."""
     from hpcrl import data

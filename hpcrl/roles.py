@@ -126,6 +126,7 @@ class ControlPlane:
         self._stopping = threading.Event()
         self._beats = 0
         self._side, self._side_lock = None, threading.Lock()
+        self._owner, self._send_lock = threading.get_ident(), threading.Lock()
         self._monitor_thread: threading.Thread | None = None
 
     # -- signed values ------------------------------------------------------------------------
@@ -272,8 +273,13 @@ class ControlPlane:
                 f"{self.timeout_s:.0f} s")
 
     def send(self, command: dict, channel: str = "trainers") -> int:
-        self._seqs[channel] = seq = self._seqs.get(channel, 0) + 1
-        self.put(self.store, f"cmd/{channel}/{seq}", command)
+        """Command `channel`'s tasks; its number (for `wait_reply`). Safe from a thread other than
+        the one that made this plane (the generator's scoring thread commands updates): that one
+        sends on its own connection, numbers and all under one lock, so commands keep their order."""
+        with self._send_lock:
+            self._seqs[channel] = seq = self._seqs.get(channel, 0) + 1
+            own = threading.get_ident() == self._owner
+            self.put(self.store if own else self._side_store(), f"cmd/{channel}/{seq}", command)
         return seq
 
     def receive(self, channel: str = "trainers") -> dict:

@@ -166,8 +166,10 @@ class OpenStage:
     Every rank of a multi-rank stage opens it (collective); only rank 0 locks and commits."""
 
     def __init__(self, stage: str, run_dir: str | os.PathLike, iteration: int, rank: int = 0,
-                 world_size: int = 1, startup: float | None = None, shard: tuple[int, int] | None = None):
+                 world_size: int = 1, startup: float | None = None, shard: tuple[int, int] | None = None,
+                 beside: bool = False):
         startup = process_age() if startup is None else startup
+        self.opened_at, self.beside = time.time(), beside
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # compute jobs never reach a model hub
         run = RunDir.at(run_dir)
         exp = config.load(run.config_path)
@@ -213,13 +215,15 @@ class OpenStage:
         try:
             self._sync(None)  # every rank has written its part
             ctx.timings["total"] = self._busy
-            allocated = utilisation.clock().take()  # since this process's previous stage (or its start)
+            # since this process's previous stage (or its start); none for a stage run beside another
+            allocated = 0.0 if self.beside else utilisation.clock().take()
             ranks = utilisation.stage_ranks(self.world_size)  # collective: the devices each rank holds
             if self.rank != 0:
                 return None
             executor = ctx.exp.executor
             use = utilisation.record(self.stage, executor.mode, ctx.timings, allocated, ranks,
-                                     None if executor.kind == "slurm" else 0.0)  # Slurm's: from sacct
+                                     None if executor.kind == "slurm" else 0.0,  # Slurm's: from sacct
+                                     beside=self.beside)
             if ctx.parts:  # merged from shards that ran side by side: the slowest one's time, all devices
                 slowest = max((m["timings"] for m in ctx.parts), key=lambda t: t["total"])
                 phases = {*slowest, *ctx.timings}
@@ -234,6 +238,7 @@ class OpenStage:
                 "notes": ctx.notes,
                 "packages": dict(package_versions()),
                 "timings": ctx.timings,
+                "opened_at": self.opened_at,
                 "host": socket.gethostname(),
                 "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
                 "world_size": self.world_size,
@@ -259,13 +264,14 @@ class OpenStage:
 
 def run_stage(stage: str, run_dir: str | os.PathLike, iteration: int, body: Body,
               rank: int = 0, world_size: int = 1, startup: float | None = None,
-              shard: tuple[int, int] | None = None) -> dict | None:
+              shard: tuple[int, int] | None = None, beside: bool = False) -> dict | None:
     """Run `body` for one stage of one iteration (or one shard of it) and commit its output;
     no-op when committed.
 
     `startup` is the time spent before the body (default: this process's age, right for a stage
-    job; a resident worker, already up, passes 0)."""
-    attempt = OpenStage(stage, run_dir, iteration, rank, world_size, startup, shard)
+    job; a resident worker, already up, passes 0). `beside`: the stage runs on a thread beside
+    this process's other stages, on no devices of its own (hpcrl.utilisation.record)."""
+    attempt = OpenStage(stage, run_dir, iteration, rank, world_size, startup, shard, beside)
     if attempt.ctx is None:
         return attempt.manifest
     attempt.run(body)

@@ -22,6 +22,9 @@ Every committed stage records, in its manifest (`OpenStage.commit`), under "util
   whole life up to its commit (start-up and model load allocated but not busy); a resident task's
   time since its previous stage, waiting included (allocated, idle). Only the attempt that commits
   counts: a failed or preempted attempt's time is in no manifest.
+- `beside` (only when true): the stage ran on a thread beside the role's other stages, on no
+  devices of its own (a resident score beside the next generation, hpcrl.resident_scores): busy and
+  allocated are 0, the time being the generation's, and the role clock is left where it was.
 - `queue_s`: a stage job's Slurm queue wait (start minus the later of submit and eligible, so a
   dependency's run time is not counted); null in the manifest on Slurm, where it is read from sacct at
   report time (`queue_waits`), 0 with the local executor. Counted once per job (a resident job's for
@@ -175,12 +178,15 @@ def reset_clock(start: float | None = None, now: Callable[[], float] = time.time
 
 
 def record(stage: str, mode: str, timings: Mapping[str, float], allocated_s: float,
-           ranks: Iterable[tuple[str, str, Iterable[str]]], queue_s: float | None) -> dict:
-    """The manifest's "utilisation" entry of a stage (see the module's docstring)."""
+           ranks: Iterable[tuple[str, str, Iterable[str]]], queue_s: float | None,
+           beside: bool = False) -> dict:
+    """The manifest's "utilisation" entry of a stage (see the module's docstring); `beside`: the
+    stage ran beside the role's others and counts no device time (busy 0, allocated 0)."""
     count, kind = count_devices(ranks)
-    busy = sum(float(timings.get(p, 0.0)) for p in BUSY_PHASES)
-    return {"role": role(stage, mode), "devices": count, "device_type": kind, "busy_s": busy,
-            "allocated_s": float(allocated_s), "queue_s": queue_s}
+    busy = 0.0 if beside else sum(float(timings.get(p, 0.0)) for p in BUSY_PHASES)
+    out = {"role": role(stage, mode), "devices": count, "device_type": kind, "busy_s": busy,
+           "allocated_s": float(allocated_s), "queue_s": queue_s}
+    return {**out, "beside": True} if beside else out
 
 
 def combine(records: list[dict]) -> dict:

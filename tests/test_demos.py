@@ -135,11 +135,20 @@ def test_ppo_demo_learns_the_task_and_its_critic_explains_more_and_more(tiny_tas
 
 
 @pytest.mark.parametrize("config", ["demo.toml", "demo-ppo.toml"])
-def test_the_demos_learn_with_asynchronous_generation(config, tiny_task, tmp_path):
+def test_the_demos_learn_with_asynchronous_generation(config, tiny_task, tmp_path, monkeypatch):
     """Issue #18: both demos with algorithm.max_staleness = 1 (each iteration samples with the policy
-    of one update before, corrected by the truncated importance weight) meet the acceptance above."""
-    exp, table, _ = run_demo(config, tiny_task, tmp_path, quiet=False, algorithm__max_staleness=1)
+    of one update before, corrected by the truncated importance weight) meet the acceptance above.
+    The GRPO demo's reward waits 1 ms per sample, as a remote judge would (tools/latency_reward.py):
+    each score runs beside the next generation (executor.resident.overlap_score)."""
+    slow = {}
+    if config == "demo.toml":
+        monkeypatch.setenv("PYTHONPATH", str(REPO / "tools"))  # for the job's processes
+        monkeypatch.setenv("LATENCY_REWARD_WAIT_S", "0.001")
+        slow = {"reward__functions": ["latency_reward:exact_match_after_a_wait"]}
+    exp, table, _ = run_demo(config, tiny_task, tmp_path, quiet=False, algorithm__max_staleness=1, **slow)
     assert_learns(exp, table)
+    if slow:
+        assert_scored_beside(run_of(tmp_path), exp)
     extra = ("rollout/staleness_mean", "actor/off_policy_weight_mean", "actor/off_policy_weight_max")
     table = inspection.iteration_table(run_of(tmp_path), exp, extra)[: exp.run.iterations]
     assert table["rollout/staleness_mean"].to_list() == [0.0] + [1.0] * (exp.run.iterations - 1)
@@ -150,3 +159,20 @@ def test_the_demos_learn_with_asynchronous_generation(config, tiny_task, tmp_pat
     if exp.algorithm.name == "ppo":
         ev = table["critic/explained_variance"].to_list()
         assert sum(ev[-3:]) / 3 >= 0.3 and sum(ev[-3:]) / 3 - sum(ev[:3]) / 3 >= 0.2, ev
+
+
+def assert_scored_beside(run: RunDir, exp) -> None:
+    """The first score ran while the second generation did (that one samples with the base model:
+    it waits for no update), and each update began once its score had committed; pins a generator
+    that scores between two generations, or commands an update before its score commits."""
+    from hpcrl import commit
+
+    def span(k: int, stage: str) -> tuple[float, float]:
+        m = commit.read_manifest(run.stage_dir(k, stage))
+        return m["opened_at"], m["committed_at"]
+
+    score, following = span(0, "score"), span(1, "generate")
+    assert score[0] < following[1] and following[0] < score[1], (score, following)
+    for k in range(exp.run.iterations):
+        assert span(k, "score")[1] <= span(k, "update")[0], k
+        assert commit.read_manifest(run.stage_dir(k, "score"))["utilisation"]["beside"] is True

@@ -98,6 +98,28 @@ def test_a_committed_stage_records_its_utilisation(tmp_path, fake_clock):
     path = tmp_path / "r" / "iter_000000" / "score" / commit.MANIFEST
     assert json.loads(path.read_text())["utilisation"] == m["utilisation"]
     assert fake_clock.since() == 0.0  # the next stage of this process starts from this commit
+    assert m["opened_at"] <= m["committed_at"]
+
+
+def test_a_stage_run_beside_another_counts_no_device_time_and_leaves_the_clock(tmp_path):
+    """pins (`beside`, hpcrl.resident_scores): a score run on a thread beside the generation counting
+    its rewards as busy (the devices would be busy twice over) or taking the allocated time the
+    generation beside it is to have."""
+    now = [1600.0]
+    clock = utilisation.reset_clock(start=1000.0, now=lambda: now[0])
+    try:
+        synthetic_run.write_config(tmp_path / "r", iterations=1)
+        attempt = OpenStage("score", tmp_path / "r", 0, startup=0.0, beside=True)
+        attempt.run(lambda ctx: ctx.timings.update(load=2.0, compute=12.0, io=1.0))
+        m = attempt.commit()
+        assert m["utilisation"] == {"role": "scorer", "devices": utilisation.devices(),
+                                    "device_type": "cpu", "busy_s": 0.0, "allocated_s": 0.0, "queue_s": 0.0,
+                                    "beside": True}
+        assert m["timings"]["compute"] == 12.0  # still shown as the stage's own time
+        now[0] = 1700.0
+        assert clock.take() == 700.0  # the generation's since its previous stage, this one's included
+    finally:
+        utilisation.reset_clock()
 
 
 # ---- reports -------------------------------------------------------------------------------------

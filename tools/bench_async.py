@@ -5,6 +5,12 @@ the generator pinned to cores of their own (HPCRL_ROLE_CPUS), as each role owns 
 node.
 
     python tools/bench_async.py [--models demo,100m] [--staleness 0,1,2] [--iterations 8] [--repeats 1]
+                                [--reward-wait-ms 0] [--overlap-score on]
+
+`--reward-wait-ms W` makes the reward wait W ms per sample, holding no CPU, as a remote judge or a
+sandbox does (tools/latency_reward.py); `--overlap-score on,off` runs each s > 0 both with the
+scores beside the next generation (executor.resident.overlap_score, hpcrl.resident_scores) and
+between two generations.
 
 Each run goes through the real controller and resident job (as `hpcrl submit`). The iteration time
 is the median wall time between the commits of consecutive updates over the steady iterations
@@ -17,7 +23,8 @@ device-weighted total.
 A second table splits the generator's allocated time per iteration: busy (sampling and rewards),
 waiting for trainer 0's weights (sync/wait_s), loading them into vLLM (sync/load_s), the probe
 (sync/probe_s), the score stage beyond its rewards' compute (reading the rollouts, writing and
-committing the scores), and the rest (the generation's writes and commit, the loop between stages).
+committing the scores; none when the scores run beside the generations, on a thread whose time
+is the generation's), and the rest (the generation's writes and commit, the loop between stages).
 An iteration takes at least the generator's floor, busy + load + probe (all on its device, between
 two generations), and at least the trainer's busy time, which bounds the mean utilisation by
 (generator busy + trainer busy) / (2 x the longer of the two).
@@ -46,13 +53,16 @@ def _bench_resident():
     return module
 
 
-def experiment(model: str, staleness: int, root: Path, iterations: int, tag: str) -> config.Experiment:
+def experiment(model: str, staleness: int, root: Path, iterations: int, tag: str, overlap: bool = True,
+               reward_wait: bool = False) -> config.Experiment:
     exp = config.load(REPO / "configs" / "demo.toml")
-    overrides = {"run.name": f"{model}-s{staleness}-{tag}", "run.runs_root": str(root),
-                 "run.iterations": iterations, "run.eval_every": 0, "data.test": "",
-                 "tracking.enabled": False,
+    overrides = {"run.name": f"{model}-s{staleness}-{'beside' if overlap else 'between'}-{tag}",
+                 "run.runs_root": str(root), "run.iterations": iterations, "run.eval_every": 0,
+                 "data.test": "", "tracking.enabled": False,
                  "executor.mode": "resident", "executor.resident.checkpoint_every": iterations,
-                 "algorithm.max_staleness": staleness}
+                 "executor.resident.overlap_score": overlap, "algorithm.max_staleness": staleness}
+    if reward_wait:
+        overrides["reward.functions"] = ["latency_reward:exact_match_after_a_wait"]
     return config.with_overrides(exp, {**overrides, **_bench_resident().model_overrides(model)}, "bench")
 
 
@@ -101,49 +111,69 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=8, help="iterations per run (>= s + 4)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--cpus", default="trainer=0;generator=1", help="HPCRL_ROLE_CPUS for the runs")
+    parser.add_argument("--reward-wait-ms", type=float, default=0.0, help="the reward's wait per sample")
+    parser.add_argument("--overlap-score", default="on", help="comma-separated: on, off (for s > 0)")
     args = parser.parse_args()
     os.environ["HPCRL_ROLE_CPUS"] = args.cpus
+    if args.reward_wait_ms:  # the jobs import tools/latency_reward.py
+        os.environ["LATENCY_REWARD_WAIT_S"] = str(args.reward_wait_ms / 1000)
+        paths = (str(REPO / "tools"), os.environ.get("PYTHONPATH"))
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     levels = [int(s) for s in args.staleness.split(",")]
-    results: dict[tuple[str, int], list[dict]] = {}
+    overlaps = [o == "on" for o in args.overlap_score.split(",")]
+    configs = [(s, o) for s in levels for o in (overlaps if s > 0 else overlaps[:1])]
+    results: dict[tuple[str, int, bool], list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="hpcrl-bench-async-") as tmp:
         for model in args.models.split(","):
             for r in range(args.repeats):
-                for s in levels if r % 2 == 0 else levels[::-1]:
-                    print(f"{model} max_staleness {s} repeat {r + 1}/{args.repeats}", file=sys.stderr)
-                    exp = experiment(model, s, Path(tmp), args.iterations, str(r))
-                    results.setdefault((model, s), []).append(measure(exp))
-    cols = ("iteration", "samples/s", "generator", "trainer", "mean")
+                for s, o in configs if r % 2 == 0 else configs[::-1]:
+                    print(f"{model} max_staleness {s} overlap_score {o} repeat {r + 1}/{args.repeats}",
+                          file=sys.stderr)
+                    exp = experiment(model, s, Path(tmp), args.iterations, str(r), o, args.reward_wait_ms > 0)
+                    results.setdefault((model, s, o), []).append(measure(exp))
+    wait = f"; the reward waits {args.reward_wait_ms:g} ms per sample" if args.reward_wait_ms else ""
     print(f"median over iterations s+2..{args.iterations - 2} and {args.repeats} repeat(s); roles pinned "
-          f"({args.cpus}); utilisation = busy / allocated device-seconds")
-    print("| model | max_staleness | iteration s | samples/s | util generator | util trainer | util mean "
-          "| samples/s vs s=0 |")
-    print("|---|---|---|---|---|---|---|---|")
-    for model in args.models.split(","):
-        med = {s: {c: statistics.median(r[c] for r in results[(model, s)]) for c in cols} for s in levels}
-        for s in levels:
-            row = med[s]
-            base = med[levels[0]]["samples/s"]
-            print(f"| {model} | {s} | {row['iteration']:.2f} | {row['samples/s']:.1f} "
+          f"({args.cpus}); utilisation = busy / allocated device-seconds{wait}")
+    print_table(args.models.split(","), configs, results)
+    print_split(args.models.split(","), [c for c in configs if c[0] > 0], results)
+
+
+def print_table(models: list[str], configs: list[tuple[int, bool]], results: dict) -> None:
+    cols = ("iteration", "samples/s", "generator", "trainer", "mean")
+    print("| model | max_staleness | scores | iteration s | samples/s | util generator | util trainer "
+          "| util mean | samples/s vs s=0 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for model in models:
+        med = {c: {col: statistics.median(r[col] for r in results[(model, *c)]) for col in cols}
+               for c in configs}
+        base = med[configs[0]]["samples/s"]
+        for (s, o), row in med.items():
+            print(f"| {model} | {s} | {scores(s, o)} | {row['iteration']:.2f} | {row['samples/s']:.1f} "
                   f"| {row['generator']:.0%} | {row['trainer']:.0%} | {row['mean']:.0%} "
                   f"| {row['samples/s'] / base:.2f}x |")
-    print_split(args.models.split(","), [s for s in levels if s > 0], results)
+
+
+def scores(s: int, overlap: bool) -> str:
+    """Where the score stages ran: beside the next generation, or between two."""
+    return "beside" if s > 0 and overlap else "between"
 
 
 SPLIT = ("gen busy", "gen wait", "gen load", "gen probe", "gen score", "gen rest", "bound")
 
 
-def print_split(models: list[str], levels: list[int], results: dict) -> None:
+def print_split(models: list[str], configs: list[tuple[int, bool]], results: dict) -> None:
     """Where the generator's time goes at each s > 0, and the bound its floor sets (docstring)."""
     print("\ngenerator's allocated ms per iteration (medians); bound = the most mean utilisation an "
           "iteration no shorter than the generator's busy + load + probe, nor the trainer's busy, allows")
-    print("| model | max_staleness | busy | waiting for weights | loading them | probe | score stage | rest "
-          "| bound |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | max_staleness | scores | busy | waiting for weights | loading them | probe "
+          "| score stage | rest | bound |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for model in models:
-        for s in levels:
-            med = {c: statistics.median(r.get(c, float("nan")) for r in results[(model, s)]) for c in SPLIT}
+        for s, o in configs:
+            runs = results[(model, s, o)]
+            med = {c: statistics.median(r.get(c, float("nan")) for r in runs) for c in SPLIT}
             ms = " | ".join(f"{med[c] * 1000:.1f}" for c in SPLIT[:-1])
-            print(f"| {model} | {s} | {ms} | {med['bound']:.0%} |")
+            print(f"| {model} | {s} | {scores(s, o)} | {ms} | {med['bound']:.0%} |")
 
 
 if __name__ == "__main__":
