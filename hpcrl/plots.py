@@ -4,6 +4,8 @@
     kl_clipfrac.png      policy KL (and the KL penalty to the reference) and the clip fraction
     response_length.png  mean and longest response, with the max_tokens limit
     stage_timings.png    stacked wall time of generate, score and update per iteration
+    timeline.png         each stage of the last iterations from its opening to its commit, one lane
+                         per role: what ran beside what (asynchronous generation, scores beside it)
 
 Uses matplotlib's object API with the Agg canvas (no pyplot, no global backend state), so the
 controller can call `write_plots` in its own process.
@@ -18,12 +20,14 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from hpcrl import commit
 from hpcrl.config import Experiment
 from hpcrl.inspection import InspectError, iteration_table
 from hpcrl.rundir import RunDir
 from hpcrl.stage_kinds import GENERATE, ORDER, SCORE, UPDATE
 
 EXTRA = ("response_length/max",)
+TIMELINE_ITERATIONS = 12  # the last iterations timeline.png shows
 STAGE_COLOURS = {GENERATE: "#4C72B0", SCORE: "#DD8452", UPDATE: "#55A868"}
 
 
@@ -113,6 +117,50 @@ def timing_figure(df: pl.DataFrame, run_name: str) -> Figure:
     return fig
 
 
+def stage_spans(run: RunDir, last: int = TIMELINE_ITERATIONS) -> list[tuple[str, str, int, float, float]]:
+    """(lane, stage, iteration, opened_at, committed_at) of each committed stage of the `last`
+    iterations whose manifest records its opening; the lane is the role that ran it ("<role>,
+    beside" for a stage on a thread beside the role's others)."""
+    out = []
+    for k in sorted(run.iterations_present())[-last:]:
+        for stage in ORDER:
+            if not commit.is_committed(run.stage_dir(k, stage)):
+                continue
+            m = commit.read_manifest(run.stage_dir(k, stage))
+            use = m.get("utilisation") or {}
+            if "opened_at" in m:
+                lane = use.get("role", stage) + (", beside" if use.get("beside") else "")
+                out.append((lane, stage, k, m["opened_at"], m["committed_at"]))
+    return out
+
+
+def timeline_figure(spans: list[tuple[str, str, int, float, float]], run_name: str) -> Figure:
+    fig, (ax,) = _figure()
+    lanes = sorted({s[0] for s in spans}, key=lambda lane: (ORDER_OF_ROLES.get(lane.split(",")[0], 9), lane))
+    t0 = min((s[3] for s in spans), default=0.0)
+    wide = 0.02 * (max((s[4] for s in spans), default=t0) - t0)  # a bar that has room for its label
+    seen = set()
+    for lane, stage, k, opened, committed in spans:
+        y = lanes.index(lane)
+        ax.broken_barh([(opened - t0, max(committed - opened, 1e-6))], (y - 0.35, 0.7),
+                       facecolors=STAGE_COLOURS[stage], edgecolor="white", linewidth=0.5,
+                       label=None if stage in seen else stage)
+        seen.add(stage)
+        if committed - opened >= wide:
+            ax.text(opened - t0 + (committed - opened) / 2, y, str(k), ha="center", va="center", fontsize=7,
+                    color="white", clip_on=True)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_ylim(-0.6, len(lanes) - 0.4 + 0.6 * bool(lanes))  # room for the legend above the lanes
+    _finish(fig, ax, f"{run_name}: stages of the last {TIMELINE_ITERATIONS} iterations, opening to commit "
+            "(iteration on each bar)", "", bool(spans), "no committed stage records its opening",
+            legend_loc="upper center")
+    ax.set_xlabel("seconds since the first bar opened")
+    return fig
+
+
+ORDER_OF_ROLES = {"generator": 0, "scorer": 1, "trainer": 2}
+
+
 def write_plots(run: RunDir, exp: Experiment, out_dir: str | Path) -> list[Path]:
     """Write the run's figures as PNG files into out_dir; returns their paths."""
     df = iteration_table(run, exp, extra=EXTRA)
@@ -123,7 +171,8 @@ def write_plots(run: RunDir, exp: Experiment, out_dir: str | Path) -> list[Path]
     name = exp.run.name
     figures = {"reward.png": reward_figure(df, name), "kl_clipfrac.png": kl_figure(df, name),
                "response_length.png": length_figure(df, name, exp.generate.max_tokens),
-               "stage_timings.png": timing_figure(df, name)}
+               "stage_timings.png": timing_figure(df, name),
+               "timeline.png": timeline_figure(stage_spans(run), name)}
     paths = []
     for filename, fig in figures.items():
         path = out / filename

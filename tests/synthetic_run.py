@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -144,8 +145,10 @@ def _commit(run: RunDir, k: int, stage: str, tables: dict[str, pa.Table], metric
     if policy_from is not None:
         shutil.copytree(policy_from, writer.dir / "policy")
     writer.metrics.update(metrics)
+    opened = time.time() - extra.get("timings", {}).get("total", 0.0)  # as if it had run that long
     return commit.commit(out, writer, {"stage": stage, "iteration": k, "seed": k, "packages": {},
-                                       "host": "synthetic", "world_size": 1, "job_id": None, **extra})
+                                       "host": "synthetic", "world_size": 1, "job_id": None,
+                                       "opened_at": opened, **extra})
 
 
 def _inputs(run: RunDir, *deps: tuple[int, str]) -> dict[str, str]:

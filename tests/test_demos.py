@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl import inspection
+from hpcrl import inspection, plots
 from hpcrl.config import load
 from hpcrl.rundir import RunDir
 
@@ -176,3 +176,5 @@ def assert_scored_beside(run: RunDir, exp) -> None:
     for k in range(exp.run.iterations):
         assert span(k, "score")[1] <= span(k, "update")[0], k
         assert commit.read_manifest(run.stage_dir(k, "score"))["utilisation"]["beside"] is True
+    lanes = {(lane, stage) for lane, stage, *_ in plots.stage_spans(run)}  # timeline.png's lanes
+    assert lanes == {("generator", "generate"), ("generator, beside", "score"), ("trainer", "update")}

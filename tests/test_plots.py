@@ -15,7 +15,7 @@ from hpcrl.plots import write_plots
 from tests import synthetic_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-FIGURES = ["reward.png", "kl_clipfrac.png", "response_length.png", "stage_timings.png"]
+FIGURES = ["reward.png", "kl_clipfrac.png", "response_length.png", "stage_timings.png", "timeline.png"]
 
 
 def assert_real_png(path) -> None:
