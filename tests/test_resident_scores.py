@@ -53,6 +53,22 @@ def test_each_update_is_commanded_once_its_score_commits_in_order_on_one_thread(
     assert {e[2] for e in rec.events if e[0] == "score"} == {"hpcrl-score_0"}  # one thread, not the caller's
 
 
+def test_a_score_waits_for_the_one_before_and_closing_waits_for_the_running_one_only():
+    """pins: scores on more than one thread (score 1 would run, and command its update, while score
+    0 is still running), or a close that returns before the running score ends or runs those queued
+    behind it (the job would end with a score thread still writing)."""
+    rec = Recorder()
+    rec.gates[0] = threading.Event()
+    beside = rec.scores()
+    beside.submit(0)
+    beside.submit(1)
+    time.sleep(0.3)
+    assert rec.events == []  # score 1 waits behind the held score 0
+    threading.Timer(0.3, rec.gates[0].set).start()
+    beside.close()
+    assert [e[:2] for e in rec.events] == [("score", 0), ("update", 0)]
+
+
 def test_the_generator_owns_no_update_whose_score_it_handed_over_until_it_collects_it():
     """pins: the generator's thread commanding an update the scoring thread commands too (twice
     over), or waiting on scores it does not need (collect without `until` never blocks)."""

@@ -308,7 +308,7 @@ def test_a_stage_job_builds_the_kinds_stage_for_its_rank_and_times_startup_and_l
     """Pins: the job body building the stage object with another experiment, run directory, rank or
     world size (or none at all), and Stage.job that skips or mis-times the start-up and the setup
     (for the policy version of its iteration, with the stage's seed) or runs another context."""
-    clock = types.SimpleNamespace(now=100.0)
+    clock = types.SimpleNamespace(now=100.0, time=time.time)
     clock.perf_counter = lambda: clock.now
     monkeypatch.setattr(stage, "time", clock)
 

@@ -21,7 +21,7 @@ import pytest
 
 from hpcrl import commit, runs, tracking, utilisation
 from hpcrl import inspection as run_inspect
-from hpcrl.stage import OpenStage
+from hpcrl.stage import OpenStage, run_stage
 from tests import synthetic_run
 
 GEN, SCORER, TRAINER = (1, "gpu"), (4, "cpu"), (2, "gpu")
@@ -99,6 +99,8 @@ def test_a_committed_stage_records_its_utilisation(tmp_path, fake_clock):
     assert json.loads(path.read_text())["utilisation"] == m["utilisation"]
     assert fake_clock.since() == 0.0  # the next stage of this process starts from this commit
     assert m["opened_at"] <= m["committed_at"]
+    m = run_stage("generate", tmp_path / "r", 0, lambda ctx: ctx.timings.update(compute=5.0), startup=0.0)
+    assert (m["utilisation"]["busy_s"], "beside" in m["utilisation"]) == (5.0, False)
 
 
 def test_a_stage_run_beside_another_counts_no_device_time_and_leaves_the_clock(tmp_path):
@@ -109,9 +111,8 @@ def test_a_stage_run_beside_another_counts_no_device_time_and_leaves_the_clock(t
     clock = utilisation.reset_clock(start=1000.0, now=lambda: now[0])
     try:
         synthetic_run.write_config(tmp_path / "r", iterations=1)
-        attempt = OpenStage("score", tmp_path / "r", 0, startup=0.0, beside=True)
-        attempt.run(lambda ctx: ctx.timings.update(load=2.0, compute=12.0, io=1.0))
-        m = attempt.commit()
+        body = lambda ctx: ctx.timings.update(load=2.0, compute=12.0, io=1.0)  # noqa: E731
+        m = run_stage("score", tmp_path / "r", 0, body, startup=0.0, beside=True)
         assert m["utilisation"] == {"role": "scorer", "devices": utilisation.devices(),
                                     "device_type": "cpu", "busy_s": 0.0, "allocated_s": 0.0, "queue_s": 0.0,
                                     "beside": True}

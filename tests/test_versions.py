@@ -181,7 +181,7 @@ def test_the_resident_generator_holds_the_version_and_awaits_its_update():
 
     signals = []
     g = Generator.__new__(Generator)
-    g.base, g.inflight, g.uncommitted = 0, collections.deque([(0, 17)]), {0}
+    g.base, g.inflight, g.uncommitted, g.beside = 0, collections.deque([(0, 17)]), {0}, None
     g.gen = SimpleNamespace(version=0, await_policy=None)
     g.plane = SimpleNamespace(wait_signal=signals.append)
     g._finish_update = lambda: (g.inflight.popleft(), setattr(g.gen, "version", 1))
@@ -192,6 +192,31 @@ def test_the_resident_generator_holds_the_version_and_awaits_its_update():
     assert (signals, g.uncommitted) == (["committed/0"], set())
     g._hold(1)  # committed now: no wait
     assert (g.made_by, g.gen.await_policy) == (None, None)
+
+
+def test_the_resident_generator_leaves_a_handed_over_score_and_its_update_to_the_scoring_thread():
+    """hpcrl.resident_generator.Generator with scores beside its generations (hpcrl.resident_scores):
+    its next stage skips the score it handed over and that score's update (pins commanding it
+    twice), and holding the version that update makes waits for the thread to command it (pins a
+    hold that finds no update in flight and fails)."""
+    import threading
+
+    from hpcrl.resident_generator import Generator
+    from hpcrl.resident_scores import BesideScores
+
+    release = threading.Event()
+    g = Generator.__new__(Generator)
+    g.base, g.inflight, g.uncommitted, g.started = 0, collections.deque(), set(), set()
+    g.gen = SimpleNamespace(version=0, await_policy=None)
+    g.beside = BesideScores(lambda k: release.wait(10), lambda k: 40 + k, lambda k: True)
+    g.progress = SimpleNamespace(pending=lambda: [(0, "score"), (0, "update"), (1, "generate"), (1, "score")])
+    g._finish_update = lambda: (g.inflight.popleft(), setattr(g.gen, "version", 1))
+    g.beside.submit(0)
+    assert g._next_stage() == (1, "generate")
+    threading.Timer(0.2, release.set).start()
+    g._hold(1)  # version 1: update 0's, commanded by the thread once score 0 is done
+    assert (g.gen.version, g.started, g.uncommitted, g.made_by) == (1, {0}, {0}, 0)
+    g.beside.close()
 
 
 def test_another_engine_checks_its_version_and_awaits_the_update(monkeypatch):
