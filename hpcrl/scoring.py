@@ -41,7 +41,7 @@ def stage_sources(cfg: RewardConfig, pool=None) -> tuple[dict[str, rewards.Sourc
     processes, kept by the resident mode) when given."""
     sources, weights = load_sources(cfg)
     if pool is not None:
-        sources.update({name: PooledFunction(name, pool) for name in cfg.functions})
+        sources.update({name: PooledFunction(name, pool, cfg.workers) for name in cfg.functions})
     return sources, weights
 
 
@@ -203,17 +203,23 @@ def merge_shards(ctx: StageContext, shards_n: int) -> None:
     ctx.writer.metrics.update(metrics(rollouts, scores))
 
 
-POOL_CHUNK = 256  # samples per task sent to a reward worker
+POOL_CHUNK = 256  # the most samples per task sent to a reward worker
+
+
+def chunk_size(samples: int, workers: int) -> int:
+    """Samples per task: every worker gets a share of even a small batch, none more than POOL_CHUNK."""
+    return max(1, min(POOL_CHUNK, -(-samples // max(1, workers))))
 
 
 class PooledFunction:
-    """A reward function applied by a pool of worker processes, in chunks of POOL_CHUNK samples."""
+    """A reward function applied by a pool of `workers` worker processes, in chunks (chunk_size)."""
 
-    def __init__(self, name: str, pool):
-        self.name, self.pool = name, pool
+    def __init__(self, name: str, pool, workers: int):
+        self.name, self.pool, self.workers = name, pool, workers
 
     def __call__(self, batch: list[dict]) -> list:
-        chunks = [batch[i: i + POOL_CHUNK] for i in range(0, len(batch), POOL_CHUNK)]
+        size = chunk_size(len(batch), self.workers)
+        chunks = [batch[i: i + size] for i in range(0, len(batch), size)]
         return [out for part in self.pool.map(_apply_function, [self.name] * len(chunks), chunks)
                 for out in part]
 

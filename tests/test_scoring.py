@@ -45,3 +45,38 @@ def test_score_records_truncation_and_applies_the_overlong_penalty_to_training_s
     assert [r["reward"] for r in got] == pytest.approx([1.0, 0.0, 0.0])
     plain = scoring.score(_rollouts(), fns, weights)
     assert [r["reward"] for r in plain.to_pylist()] == [1.0, 1.0, 0.0]
+
+
+def test_a_small_batch_is_shared_by_every_reward_worker_and_no_chunk_exceeds_the_cap():
+    """pins (scoring.chunk_size): a batch of 256 sent to one of 4 workers whole, or chunks beyond
+    POOL_CHUNK."""
+    assert [scoring.chunk_size(n, w) for n, w in ((256, 4), (257, 4), (3, 8), (5000, 4), (0, 4), (10, 0))] \
+        == [64, 65, 1, 256, 1, 10]
+
+
+def test_reward_workers_score_what_the_stage_process_does():
+    """The resident mode's reward workers (reward.workers, real spawned processes) give the same
+    rewards, components and messages, in the same order, as scoring in the stage's own process;
+    each gets its share of the batch (pins chunks that lose, repeat or reorder samples)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from hpcrl.config_reward import RewardConfig
+
+    rows, name = 40, "hpcrl.rewards:exact_match"
+    base = _rollouts()
+    table = pa.table({c: [base[c][i % 3].as_py() for i in range(rows)] for c in base.column_names})
+    table = table.set_column(2, "sample_index", pa.array(range(rows)))
+    plain = scoring.score(table, {name: rewards.per_sample(rewards.exact_match)}, {name: 1.0})
+
+    class Recording(ProcessPoolExecutor):
+        def map(self, fn, *iterables):
+            names, chunks = (list(it) for it in iterables)
+            sizes.append([len(c) for c in chunks])
+            return super().map(fn, names, chunks)
+
+    sizes: list[list[int]] = []
+    with Recording(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        sources, weights = scoring.stage_sources(RewardConfig(functions=[name], workers=2), pool)
+        pooled = scoring.score(table, sources, weights)
+    assert pooled.equals(plain) and sizes == [[20, 20]]

@@ -5,10 +5,11 @@ the generator pinned to cores of their own (HPCRL_ROLE_CPUS), as each role owns 
 node.
 
     python tools/bench_async.py [--models demo,100m] [--staleness 0,1,2] [--iterations 8] [--repeats 1]
-                                [--reward-wait-ms 0] [--overlap-score on]
+                                [--reward-wait-ms 0] [--reward-workers 0] [--overlap-score on]
 
 `--reward-wait-ms W` makes the reward wait W ms per sample, holding no CPU, as a remote judge or a
-sandbox does (tools/latency_reward.py); `--overlap-score on,off` runs each s > 0 both with the
+sandbox does (tools/latency_reward.py), on `--reward-workers` processes (reward.workers);
+`--overlap-score on,off` runs each s > 0 both with the
 scores beside the next generation (executor.resident.overlap_score, hpcrl.resident_scores) and
 between two generations.
 
@@ -54,13 +55,14 @@ def _bench_resident():
 
 
 def experiment(model: str, staleness: int, root: Path, iterations: int, tag: str, overlap: bool = True,
-               reward_wait: bool = False) -> config.Experiment:
+               reward_wait: bool = False, reward_workers: int = 0) -> config.Experiment:
     exp = config.load(REPO / "configs" / "demo.toml")
     overrides = {"run.name": f"{model}-s{staleness}-{'beside' if overlap else 'between'}-{tag}",
                  "run.runs_root": str(root), "run.iterations": iterations, "run.eval_every": 0,
                  "data.test": "", "tracking.enabled": False,
                  "executor.mode": "resident", "executor.resident.checkpoint_every": iterations,
-                 "executor.resident.overlap_score": overlap, "algorithm.max_staleness": staleness}
+                 "executor.resident.overlap_score": overlap, "algorithm.max_staleness": staleness,
+                 "reward.workers": reward_workers}
     if reward_wait:
         overrides["reward.functions"] = ["latency_reward:exact_match_after_a_wait"]
     return config.with_overrides(exp, {**overrides, **_bench_resident().model_overrides(model)}, "bench")
@@ -112,6 +114,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--cpus", default="trainer=0;generator=1", help="HPCRL_ROLE_CPUS for the runs")
     parser.add_argument("--reward-wait-ms", type=float, default=0.0, help="the reward's wait per sample")
+    parser.add_argument("--reward-workers", type=int, default=0, help="reward.workers of the runs")
     parser.add_argument("--overlap-score", default="on", help="comma-separated: on, off (for s > 0)")
     args = parser.parse_args()
     os.environ["HPCRL_ROLE_CPUS"] = args.cpus
@@ -129,9 +132,11 @@ def main() -> None:
                 for s, o in configs if r % 2 == 0 else configs[::-1]:
                     print(f"{model} max_staleness {s} overlap_score {o} repeat {r + 1}/{args.repeats}",
                           file=sys.stderr)
-                    exp = experiment(model, s, Path(tmp), args.iterations, str(r), o, args.reward_wait_ms > 0)
+                    exp = experiment(model, s, Path(tmp), args.iterations, str(r), o, args.reward_wait_ms > 0,
+                                     args.reward_workers)
                     results.setdefault((model, s, o), []).append(measure(exp))
     wait = f"; the reward waits {args.reward_wait_ms:g} ms per sample" if args.reward_wait_ms else ""
+    wait += f"; {args.reward_workers} reward workers" if args.reward_workers else ""
     print(f"median over iterations s+2..{args.iterations - 2} and {args.repeats} repeat(s); roles pinned "
           f"({args.cpus}); utilisation = busy / allocated device-seconds{wait}")
     print_table(args.models.split(","), configs, results)
