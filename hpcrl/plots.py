@@ -20,7 +20,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from hpcrl import commit
+from hpcrl import commit, utilisation
 from hpcrl.config import Experiment
 from hpcrl.inspection import InspectError, iteration_table
 from hpcrl.rundir import RunDir
@@ -136,7 +136,7 @@ def stage_spans(run: RunDir, last: int = TIMELINE_ITERATIONS) -> list[tuple[str,
 
 def timeline_figure(spans: list[tuple[str, str, int, float, float]], run_name: str) -> Figure:
     fig, (ax,) = _figure()
-    lanes = sorted({s[0] for s in spans}, key=lambda lane: (ORDER_OF_ROLES.get(lane.split(",")[0], 9), lane))
+    lanes = sorted({s[0] for s in spans}, key=lambda lane: (utilisation.role_order(lane.split(",")[0]), lane))
     t0 = min((s[3] for s in spans), default=0.0)
     wide = 0.02 * (max((s[4] for s in spans), default=t0) - t0)  # a bar that has room for its label
     seen = set()
@@ -156,9 +156,6 @@ def timeline_figure(spans: list[tuple[str, str, int, float, float]], run_name: s
             legend_loc="upper center")
     ax.set_xlabel("seconds since the first bar opened")
     return fig
-
-
-ORDER_OF_ROLES = {"generator": 0, "scorer": 1, "trainer": 2}
 
 
 def write_plots(run: RunDir, exp: Experiment, out_dir: str | Path) -> list[Path]:
