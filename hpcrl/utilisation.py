@@ -344,7 +344,7 @@ def summary_lines(roles: Mapping[str, Usage]) -> list[str]:
         return ["utilisation: - (not recorded by this run's stages)"]
     lines = ["utilisation (device-hours busy / allocated; idle = allocated - busy):"]
     everything = total(roles)
-    for name, u in [*roles.items(), (f"all {UNITS.get(everything.device_type, '')}s".rstrip(), everything)]:
+    for name, u in [*roles.items(), (f"all {UNITS[everything.device_type]}s", everything)]:
         unit = f"{UNITS.get(u.device_type, 'device')}-h"
         size = f"{u.devices} {UNITS.get(u.device_type, 'device')}{'s' if u.devices != 1 else ''}"
         queue = "" if u.queue_s is None else f"; queue wait {u.queue_s / 3600:.2f} h"

@@ -51,6 +51,9 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name: (modules
     "colocation": (("colocation",), ("test_colocation",)),
     "versions": (("versions", "resident_scores"), ("test_versions", "test_resident_scores")),
     "megatron": (("megatron_convert", "config_megatron"), ("test_megatron_convert", "test_config")),
+    "utilisation": (("utilisation",), ("test_utilisation", "test_utilisation_edges")),
+    "scoring": (("scoring", "rewards"), ("test_scoring", "test_reward_backends")),
+    "retention": (("retention", "pruning"), ("test_retention",)),
 }
 DEFAULT = ("algorithms", "dynamic_sampling", "config", "commit", "replay", "critic",
            "versions")  # ~12 min on 2 cores
