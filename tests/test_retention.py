@@ -6,10 +6,11 @@ trainer/ folders, written through hpcrl.commit; tests/test_retention_run.py prun
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
-from hpcrl import commit, config, pruning, replay, retention
+from hpcrl import commit, config, plan, pruning, replay, retention
 from hpcrl.config_training import RetentionConfig
 from hpcrl.export import export_policy
 from hpcrl.rundir import RunDir
@@ -228,3 +229,122 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_and_dry_run_prints_the
     assert out.exit_code == 0, out.output
     assert ("disk: about 9.0 MiB by the end, 16.0 MiB at the peak (2 of 3 policy versions x 1.8 MiB, "
             "1 trainer states x 5.3 MiB, 3 iterations of rollouts x 48.0 KiB; run.retention)") in out.stdout
+
+
+# ---- the edges of pruning ---------------------------------------------------------------------
+
+def _commit_stages(run: RunDir, *stages: tuple[int, str]) -> None:
+    for k, stage in stages:
+        _commit(run, k, stage, ("policy", "trainer") if stage == "update" else ())
+
+
+def test_generations_behind_the_policy_keep_the_versions_they_sample_from(tmp_path):
+    """With max_staleness = 2 the pending generate of iteration 4 samples version 2 and that of 5
+    version 3: both stay, whatever keep_last says, with their trainer states."""
+    run, exp = make_run(tmp_path / "r", iterations=6, updates=4, keep_last=1, keep_trainer_states=1)
+    exp = config.with_overrides(exp, {"algorithm.max_staleness": 2}, "test")
+    assert pruning.needed(run, exp) == {2, 3, 4, 5, 6}  # generations 4, 5 and the final one; updates 4, 5
+    assert [(e["part"], e["version"]) for e in pruning.prune(run, exp)] == [("policy", 1), ("trainer", 1)]
+    _commit_stages(run, (4, "generate"), (4, "score"), (5, "generate"), (5, "score"))
+    assert pruning.needed(run, exp) == {4, 5, 6}  # updates 4 and 5, then the final generation
+    assert [(e["part"], e["version"]) for e in pruning.prune(run, exp)] == [("policy", 2), ("policy", 3),
+                                                                            ("trainer", 2), ("trainer", 3)]
+
+
+def test_a_finished_run_needs_only_its_latest_version(tmp_path):
+    run, exp = make_run(tmp_path / "r", iterations=3, updates=3)
+    _commit_stages(run, *[(3, s) for s in ("generate", "score")])  # the final validation
+    assert plan.pending_stages(run, exp) == [] and pruning.needed(run, exp) == {3}
+
+
+def test_a_ledger_line_torn_by_a_crash_is_ended_and_skipped(tmp_path):
+    run, exp = make_run(tmp_path / "r", keep_last=3)
+    (run.root / pruning.LEDGER).write_text('{"version": 9, "part": "policy"}\n{"torn')
+    entries = pruning.prune(run, exp)
+    lines = (run.root / pruning.LEDGER).read_text().splitlines()
+    assert lines[1] == '{"torn' and json.loads(lines[2]) == entries[0]
+    assert pruning.ledger(run) == [{"version": 9, "part": "policy"}, *entries]  # the torn line skipped
+    assert list(entries[0]) == ["at", "version", "iteration", "part", "rule", "files", "bytes", "paths"]
+    assert entries[0]["at"].endswith("+00:00") and entries[0]["files"] == 2
+    assert json.loads(lines[2]) == dict(sorted(entries[0].items()))  # one sorted JSON object a line
+    assert pruning.ledger(RunDir.at(tmp_path / "r")) == pruning.ledger(run)
+    assert pruning.ledger(make_run(tmp_path / "empty", updates=0)[0]) == []
+
+
+def test_the_marks_name_each_folder_of_a_pruned_part(tmp_path):
+    run, exp = make_run(tmp_path / "r", iterations=5, updates=3, keep_last=1)
+    _commit(run, 3, "generate")
+    _commit(run, 3, "score")
+    _commit(run, 3, "update", ("policy", "critic", "trainer"))  # ppo: the critic goes with the policy
+    (run.root / "policy" / "v000002").unlink()  # a published link already gone
+    pruning.prune(run, exp)
+    marks = {k: set(commit.pruned_parts(run.stage_dir(k, "update"))) for k in range(4)}
+    assert marks == {0: {"policy"}, 1: {"policy"}, 2: {"policy"}, 3: set()}
+    _commit_stages(run, (4, "generate"), (4, "score"), (4, "update"))
+    pruning.prune(run, exp)
+    assert set(commit.pruned_parts(run.stage_dir(3, "update"))) == {"policy", "critic"}
+    assert not (run.stage_dir(3, "update") / "critic").exists()
+    # a part whose folder a crash already removed is still marked (its first folder)
+    stage = run.stage_dir(4, "update")
+    pruning._mark(stage, pruning.FOLDERS["policy"], {"at": "t", "rule": "r", "bytes": 0})
+    assert commit.pruned_parts(stage) == {"policy": {"at": "t", "rule": "r", "bytes": 0}}
+
+
+def test_a_part_counts_the_files_under_its_folders_at_any_depth():
+    manifest = {"files": {"policy/a.bin": {"bytes": 5}, "policy/tokenizer/b.json": {"bytes": 7},
+                          "trainer/c.pt": {"bytes": 100}, "critic/d.bin": {"bytes": 3}}}
+    assert pruning._part_bytes(manifest, ("policy", "critic")) == (3, 15)
+    assert pruning._part_bytes(manifest, ("trainer",)) == (1, 100)
+
+
+def test_the_refusals_and_the_pin_messages_in_full(tmp_path):
+    run, exp = make_run(tmp_path / "r", updates=2, keep_trainer_states=1)
+    assert pruning.pin(run, 2) == f"pinned policy version 2 of {run.root}; pinned now: 2"
+    assert pruning.pin(run, 1) == f"pinned policy version 1 of {run.root}; pinned now: 1, 2"
+    assert pruning.pin(run, 2, unpin=True) == f"unpinned policy version 2 of {run.root}; pinned now: 1"
+    assert pruning.pin(run, 1, unpin=True) == f"unpinned policy version 1 of {run.root}; pinned now: none"
+    pruning.prune(run, exp)
+    shutil.rmtree(run.stage_dir(1, "update") / "trainer")  # as if the last state were lost too
+    pruning._mark(run.stage_dir(1, "update"), ("trainer",), {"at": "then", "rule": "r", "bytes": 1})
+    with pytest.raises(commit.PrunedError) as err:
+        pruning.require(run, 1, "trainer", "replay")
+    assert str(err.value) == (
+        "replay: the trainer state of version 1 was pruned by retention (run.retention.keep_trainer_states"
+        f" = 1, at {pruning.ledger(run)[0]['at']}); the run keeps trainer states of versions none (`hpcrl"
+        " pin` keeps a version from now on)")
+    pruning.require(run, 0, "trainer", "replay")  # version 0, the model, is never pruned
+
+
+def test_disk_use_adds_the_files_and_does_not_follow_links(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "x.bin").write_bytes(b"1" * 10)
+    (tmp_path / "a" / "b" / "y.bin").write_bytes(b"2" * 20)
+    (tmp_path / "big").write_bytes(b"3" * 1000)
+    (tmp_path / "a" / "b" / "link").symlink_to(tmp_path / "big")
+    link = len(str(tmp_path / "big"))  # a link counts its own size, not its target's
+    assert pruning.disk_use(tmp_path / "a") == 30 + link
+    assert pruning.disk_use(tmp_path / "none") == 0
+
+
+def test_sizes_for_people():
+    cases = {0: "0 B", 1023: "1023 B", 1024: "1.0 KiB", 1536: "1.5 KiB", 5 * 1024 ** 2: "5.0 MiB",
+             84 * 1024 ** 3: "84.0 GiB", 2 * 1024 ** 4: "2.0 TiB", 3 * 1024 ** 5: "3072.0 TiB"}
+    assert {n: pruning.size(n) for n in cases} == cases
+
+
+def test_the_status_line_names_what_was_pruned_and_pinned(tmp_path):
+    run, exp = make_run(tmp_path / "r", updates=3)
+    used = pruning.size(pruning.disk_use(run.root))
+    assert pruning.status_line(run) == f"disk: {used} kept in the run directory; retention freed 0 B"
+    pruning.pin(run, 3)
+    pruning.pin(run, 1)
+    exp = config.with_overrides(exp, {"run.retention.keep_last": 1}, "test")
+    freed = sum(e["bytes"] for e in pruning.prune(run, exp))
+    assert pruning.status_line(run) == (f"disk: {pruning.size(pruning.disk_use(run.root))} kept in the run "
+                                        f"directory; retention freed {pruning.size(freed)} (pruned policy "
+                                        "versions v2); pinned versions: 1, 3")
+
+
+def test_the_versions_a_run_saves():
+    assert retention.saved_versions(3) == [1, 2, 3]
+    assert retention.saved_versions(5, 2) == [2, 4, 5]
