@@ -223,8 +223,7 @@ def _span(versions: list[int]) -> str:
 
 def size(n: float) -> str:
     """Bytes for people: 1.5 MiB, 84.0 GiB."""
-    unit = "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):  # the unit it stops at is the one shown
         if n < 1024 or unit == "TiB":
             break
         n /= 1024

@@ -6,6 +6,7 @@ trainer/ folders, written through hpcrl.commit; tests/test_retention_run.py prun
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -266,7 +267,8 @@ def test_a_ledger_line_torn_by_a_crash_is_ended_and_skipped(tmp_path):
     assert pruning.ledger(run) == [{"version": 9, "part": "policy"}, *entries]  # the torn line skipped
     assert list(entries[0]) == ["at", "version", "iteration", "part", "rule", "files", "bytes", "paths"]
     assert entries[0]["at"].endswith("+00:00") and entries[0]["files"] == 2
-    assert json.loads(lines[2]) == dict(sorted(entries[0].items()))  # one sorted JSON object a line
+    assert lines[2:] == [json.dumps(e, sort_keys=True) for e in entries]  # one sorted JSON object a line
+    assert (run.root / pruning.LEDGER).stat().st_mode & 0o777 == 0o644 & ~_umask()
     assert pruning.ledger(RunDir.at(tmp_path / "r")) == pruning.ledger(run)
     assert pruning.ledger(make_run(tmp_path / "empty", updates=0)[0]) == []
 
@@ -282,7 +284,11 @@ def test_the_marks_name_each_folder_of_a_pruned_part(tmp_path):
     assert marks == {0: {"policy"}, 1: {"policy"}, 2: {"policy"}, 3: set()}
     _commit_stages(run, (4, "generate"), (4, "score"), (4, "update"))
     pruning.prune(run, exp)
-    assert set(commit.pruned_parts(run.stage_dir(3, "update"))) == {"policy", "critic"}
+    marks, entry = commit.pruned_parts(run.stage_dir(3, "update")), pruning.ledger(run)[-1]
+    assert marks == dict.fromkeys(("critic", "policy"), {"at": entry["at"], "rule": entry["rule"],
+                                                        "bytes": entry["bytes"]})
+    assert (run.stage_dir(3, "update") / commit.PRUNED).read_text() == json.dumps(marks, indent=2,
+                                                                                  sort_keys=True) + "\n"
     assert not (run.stage_dir(3, "update") / "critic").exists()
     # a part whose folder a crash already removed is still marked (its first folder)
     stage = run.stage_dir(4, "update")
@@ -315,7 +321,7 @@ def test_the_refusals_and_the_pin_messages_in_full(tmp_path):
     pruning.require(run, 0, "trainer", "replay")  # version 0, the model, is never pruned
 
 
-def test_disk_use_adds_the_files_and_does_not_follow_links(tmp_path):
+def test_disk_use_adds_the_files_and_does_not_follow_links(tmp_path, monkeypatch):
     (tmp_path / "a" / "b").mkdir(parents=True)
     (tmp_path / "a" / "x.bin").write_bytes(b"1" * 10)
     (tmp_path / "a" / "b" / "y.bin").write_bytes(b"2" * 20)
@@ -324,6 +330,23 @@ def test_disk_use_adds_the_files_and_does_not_follow_links(tmp_path):
     link = len(str(tmp_path / "big"))  # a link counts its own size, not its target's
     assert pruning.disk_use(tmp_path / "a") == 30 + link
     assert pruning.disk_use(tmp_path / "none") == 0
+    (tmp_path / "a" / "z.bin").write_bytes(b"4" * 5)
+    lstat, failed = os.lstat, []
+
+    def gone(path):  # the first file the walk reads is removed meanwhile: the others still count
+        if not failed:
+            failed.append(lstat(path).st_size)
+            raise FileNotFoundError(path)
+        return lstat(path)
+
+    monkeypatch.setattr(os, "lstat", gone)
+    assert pruning.disk_use(tmp_path / "a") == 35 + link - failed[0]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_sizes_for_people():
