@@ -80,3 +80,121 @@ def test_reward_workers_score_what_the_stage_process_does():
         sources, weights = scoring.stage_sources(RewardConfig(functions=[name], workers=2), pool)
         pooled = scoring.score(table, sources, weights)
     assert pooled.equals(plain) and sizes == [[20, 20]]
+
+
+# ---- the score stage on a run directory --------------------------------------------------------
+
+def _generated(root, **overrides):
+    """A run directory with iteration 0's rollouts committed (synthetic: some answers right); the
+    experiment with `overrides`."""
+    import numpy as np
+
+    from hpcrl import config
+    from hpcrl.rundir import RunDir
+    from tests import synthetic_run
+
+    exp = synthetic_run.write_config(root, iterations=2, max_tokens=8)
+    if overrides:
+        exp = config.with_overrides(exp, overrides, "test")
+        RunDir.at(root).config_path.write_text(config.dumps(exp))
+    rollouts = synthetic_run.rollouts_table(0, 16, 4, group_size=4, max_tokens=8)
+    synthetic_run.commit_generate(RunDir.at(root), exp, 0, rollouts, np.random.default_rng(0))
+    return exp, rollouts
+
+
+def test_the_score_stage_scores_the_generation_with_the_experiments_settings(tmp_path):
+    from hpcrl import commit
+    from hpcrl.stage import run_stage
+
+    penalty = {"reward.overlong_buffer": 4, "reward.overlong_penalty_factor": 0.5}
+    exp, rollouts = _generated(tmp_path / "r", **penalty)
+    m = run_stage("score", tmp_path / "r", 0, scoring.score_stage, startup=0.0)
+    scores = commit.read_table(tmp_path / "r" / "iter_000000" / "score", "scores")
+    sources, weights = scoring.load_sources(exp.reward)
+    by_hand = scoring.score(rollouts, sources, weights, 4, 0.5, 8).to_pylist()
+    assert scores.to_pylist() == by_hand  # the settings reach score
+    assert scoring.score_for(exp, rollouts, sources, weights).to_pylist() == by_hand
+    assert min(r["reward"] for r in by_hand) == -0.5  # a wrong answer at max_tokens: -1 x 0.5
+    assert m["metrics"] == scoring.metrics(rollouts, scores) and m["policy_version"] == 0
+    assert {"io", "load", "compute"} <= set(m["timings"])
+    assert m["utilisation"]["busy_s"] == m["timings"]["compute"]
+
+
+def test_score_shards_merge_into_what_one_stage_scores(tmp_path):
+    from hpcrl import commit
+    from hpcrl.stage import run_stage
+
+    _generated(tmp_path / "whole")
+    run_stage("score", tmp_path / "whole", 0, scoring.score_stage, startup=0.0)
+    _generated(tmp_path / "sharded")
+    parts = [run_stage("score", tmp_path / "sharded", 0, scoring.score_stage, startup=0.0, shard=(i, 3))
+             for i in range(3)]
+    assert [p["metrics"]["critic/score/mean"] is not None for p in parts] == [True] * 3
+    m = run_stage("score", tmp_path / "sharded", 0, lambda ctx: scoring.merge_shards(ctx, 3), startup=0.0)
+    stage = lambda root: root / "iter_000000" / "score"  # noqa: E731
+    whole = commit.read_table(stage(tmp_path / "whole"), "scores")
+    merged = commit.read_table(stage(tmp_path / "sharded"), "scores")
+    assert merged.equals(whole) and merged.num_rows == 20
+    assert m["metrics"] == commit.read_manifest(stage(tmp_path / "whole"))["metrics"]
+    assert m["policy_version"] == 0
+
+
+def test_rewards_metrics_by_split_and_data_source_by_hand():
+    rollouts = pa.table({"data_source": ["a", "a", "b", "a", "b", "a"]})
+    scores = pa.table({"split": ["train", "train", "val", "val", "val", "baseline"],
+                       "reward": [1.0, 0.0, 0.5, 1.0, 0.25, 0.75],
+                       "reward_components": pa.array(
+                           [[("exact", 1.0)], [("exact", 0.0), ("x/y", 3.0)], [("exact", 0.5)],
+                            [("exact", 1.0)], [("exact", 0.25)], [("exact", 0.75)]],
+                           pa.map_(pa.string(), pa.float64()))})
+    assert scoring.metrics(rollouts, scores) == {
+        "critic/score/mean": 0.5, "critic/score/max": 1.0, "critic/score/min": 0.0,
+        "remax/baseline_score": 0.75, "val/score": 1.75 / 3, "val/score/a": 1.0, "val/score/b": 0.375,
+        "reward/exact/mean": 0.5, "reward/x/y/mean": 3.0}
+    # the training rows of a table slice: each component's mean over those rows only
+    assert scoring.component_means(scores.slice(1, 4)) == {"reward/exact/mean": 0.0, "reward/x/y/mean": 3.0}
+    val_only = scores.filter(pa.compute.equal(scores["split"], "val"))
+    assert scoring.metrics(rollouts.slice(2, 3), val_only) == {"val/score": 1.75 / 3, "val/score/b": 0.375,
+                                                             "val/score/a": 1.0}
+
+
+def test_component_names_become_metric_names_mlflow_accepts():
+    assert [scoring.metric_name(c) for c in ("a/X/b", "a/../b", "a//b", "judge score", "x:y-z.w")] == \
+        ["a/X/b", "a/_/b", "a/_/b", "judge_score", "x:y-z.w"]
+
+
+def test_a_source_that_miscounts_or_gives_nan_stops_the_stage_naming_the_sample():
+    rollouts = _rollouts()
+    with pytest.raises(ValueError) as err:
+        scoring.score(rollouts, {"judge": lambda batch: [1.0]}, {"judge": 1.0})
+    assert str(err.value) == "reward source 'judge' returned 1 outputs for 3 samples"
+    with pytest.raises(rewards.RewardValueError) as err:
+        scoring.score(rollouts, {"judge": lambda batch: [1.0, 1.0, float("nan")]}, {"judge": 1.0})
+    assert str(err.value) == ("reward source 'judge' gave score = nan; expected a finite number, for val "
+                              "prompt 1 sample 0; nothing is committed")
+    table = scoring.score(rollouts, {"judge": lambda batch: [1, 0, 1]}, {"judge": 1.0}, overlong_buffer=4,
+                          max_tokens=8)  # the penalty's factor defaults to 1
+    assert table["reward"].to_pylist() == [1.0, -1.0, 1.0] and table["reward"].type == pa.float64()
+
+
+def test_the_resident_score_stage_keeps_a_pool_of_spawned_workers_until_closed(tmp_path):
+    from hpcrl import config
+    from hpcrl.rundir import RunDir
+    from tests import synthetic_run
+
+    exp = synthetic_run.write_config(tmp_path / "r", iterations=1)
+    workers = config.with_overrides(exp, {"reward.workers": 2}, "test")
+    staged = scoring.ScoreStage(workers, RunDir.at(tmp_path / "r"))
+    staged.setup(0, 0)
+    assert staged.pool is None  # a stage job scores in its own process
+    resident = scoring.ScoreStage(workers, RunDir.at(tmp_path / "r"), resident=True)
+    resident.setup(0, 0)
+    pool = resident.pool
+    assert (pool._max_workers, pool._mp_context.get_start_method()) == (2, "spawn")
+    resident.setup(1, 0)
+    assert resident.pool is pool  # one pool for the run
+    resident.close()
+    assert resident.pool is None and pool._shutdown_thread
+    alone = scoring.ScoreStage(exp, RunDir.at(tmp_path / "r"), resident=True)
+    alone.setup(0, 0)
+    assert alone.pool is None  # reward.workers = 0: in the generator's process

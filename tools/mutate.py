@@ -52,7 +52,7 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name: (modules
     "versions": (("versions", "resident_scores"), ("test_versions", "test_resident_scores")),
     "megatron": (("megatron_convert", "config_megatron"), ("test_megatron_convert", "test_config")),
     "utilisation": (("utilisation",), ("test_utilisation", "test_utilisation_edges")),
-    "scoring": (("scoring", "rewards"), ("test_scoring", "test_reward_backends")),
+    "scoring": (("scoring", "rewards"), ("test_scoring", "test_rewards", "test_reward_backends")),
     "retention": (("retention", "pruning"), ("test_retention",)),
     "alerts": (("alerts",), ("test_alerts",)),
 }
