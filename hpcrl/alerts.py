@@ -118,8 +118,9 @@ def post(url: str, payload: dict, timeout_s: float) -> str | None:
     import urllib.error
     import urllib.request
 
-    request = urllib.request.Request(url, json.dumps(payload).encode(), {"Content-Type": "application/json"})
-    try:
+    body, headers = json.dumps(payload).encode(), {"Content-Type": "application/json"}
+    try:  # a malformed URL too (an old run's config, which no check read) is a reason, never an error
+        request = urllib.request.Request(url, body, headers)
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             response.read(1 << 16)
     except (urllib.error.URLError, OSError, ValueError) as err:

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from hpcrl.config_section import Rule, Section
+from hpcrl.config_section import HttpUrl, Rule, Section
 
 SBATCH_OPTION = re.compile(r"[a-z][a-z0-9-]*")
 SBATCH_VALUE = re.compile(r"[A-Za-z0-9_.,:=@%/+\-\[\]]*")
@@ -86,7 +86,7 @@ class SlurmResources(Section):
 class NotifyConfig(Section):
     mail: str = Field("", description="Slurm mails this address when the controller job or the resident job "
                       "ends or fails (--mail-type=END,FAIL; the cluster must have mail set up).")
-    webhook: str = Field("", description="POST {\"run\", \"status\": \"completed\" | \"stopped\", "
+    webhook: HttpUrl = Field("", description="POST {\"run\", \"status\": \"completed\" | \"stopped\", "
                          "\"reason\"} here when the run completes or stops (a failure, an alert rule, an "
                          "interruption); empty: none. Never stops the run.")
 

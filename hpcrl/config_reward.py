@@ -6,11 +6,10 @@ Assembled into the experiment by hpcrl.config.
 from __future__ import annotations
 
 from typing import Literal
-from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from hpcrl.config_section import PathStr, Rule, Section
+from hpcrl.config_section import HttpUrl, PathStr, Rule, Section
 
 
 class RewardModelConfig(Section):
@@ -27,8 +26,8 @@ class RewardModelConfig(Section):
 
 
 class RewardHttpConfig(Section):
-    url: str = Field("", description="Reward service that scores batches of samples as component `http` "
-                     "(docs/data-and-rewards.md: the HTTP protocol); empty: none.")
+    url: HttpUrl = Field("", description="Reward service that scores batches of samples as component "
+                         "`http` (docs/data-and-rewards.md: the HTTP protocol); empty: none.")
     weight: float = Field(1.0, description="Weight of the service's score in the reward.")
     batch_size: int = Field(32, ge=1, description="Samples per request.")
     concurrency: int = Field(4, ge=1, description="Requests in flight at once.")
@@ -40,21 +39,6 @@ class RewardHttpConfig(Section):
                              "each further retry.")
     max_body_mb: float = Field(16.0, gt=0, description="Largest answer in MB; a larger one fails the score "
                                "stage (not retried).")
-
-    @field_validator("url")
-    @classmethod
-    def _http_url(cls, v: str) -> str:
-        if not v:
-            return v
-        parts = urlsplit(v)
-        try:
-            parts.port  # noqa: B018 -- raises ValueError on a port that is not a number in range
-        except ValueError:
-            raise ValueError("expected an http:// or https:// URL with a valid port") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("expected an http:// or https:// URL with a host, e.g. "
-                             "http://rm-node:8000/score")
-        return v
 
 
 class RewardConfig(Section):

@@ -4,10 +4,28 @@ section raises. No section is defined here."""
 from __future__ import annotations
 
 from typing import Annotated
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict
 
 PathStr = Annotated[str, "path"]  # resolved against the config file's directory
+
+
+def _http_url(v: str) -> str:
+    """`v` when empty (none) or an http(s) URL with a host and a valid port."""
+    if not v:
+        return v
+    parts = urlsplit(v)
+    try:
+        parts.port  # noqa: B018 -- raises ValueError on a port that is not a number in range
+    except ValueError:
+        raise ValueError("expected an http:// or https:// URL with a valid port") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("expected an http:// or https:// URL with a host, e.g. http://rm-node:8000/score")
+    return v
+
+
+HttpUrl = Annotated[str, AfterValidator(_http_url)]  # empty, or an http(s) URL
 
 
 class ConfigError(ValueError):

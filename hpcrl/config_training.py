@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from hpcrl.config_megatron import MegatronConfig
-from hpcrl.config_section import PathStr, Rule, Section
+from hpcrl.config_section import HttpUrl, PathStr, Rule, Section
 
 
 class RetentionConfig(Section):
@@ -365,7 +365,7 @@ class AlertsConfig(Section):
         ["non_finite"], description="Rules that stop the run after the stage that fired them (`hpcrl "
         "resume` continues); the others warn: a line in the progress, `hpcrl status` and `hpcrl inspect`, "
         "and an MLflow tag. A non-finite metric is always checked.")
-    webhook: str = Field(
+    webhook: HttpUrl = Field(
         "", description="URL that receives each alert as a JSON POST ({\"run\", \"iteration\", "
         "\"stage\", \"rule\", \"message\", \"stops\"}; e.g. a chat channel's incoming webhook); empty: "
         "none.")

@@ -105,6 +105,7 @@ def test_pruning_removes_records_and_still_verifies(tmp_path):
     assert entries[0]["bytes"] == 1000 + len(json.dumps({"v": 1, "folder": "policy"}))
     assert entries[0]["paths"] == ["iter_000000/update/policy"] and entries[0]["iteration"] == 0
     assert pruning.ledger(run) == entries
+    assert (run.root / pruning.LEDGER).stat().st_mode & 0o777 == 0o644 & ~_umask()  # read by all, run by none
     assert not (run.stage_dir(0, "update") / "policy").exists()
     assert not (run.root / "policy" / "v000001").is_symlink() and (run.root / "policy" / "v000003").is_dir()
     assert (run.stage_dir(0, "update") / "_COMMIT.json").is_file()  # the manifest, and its digest, stay
@@ -259,16 +260,16 @@ def test_a_finished_run_needs_only_its_latest_version(tmp_path):
 
 
 def test_a_ledger_line_torn_by_a_crash_is_ended_and_skipped(tmp_path):
-    run, exp = make_run(tmp_path / "r", keep_last=3)
+    run, exp = make_run(tmp_path / "r", keep_last=2)
     (run.root / pruning.LEDGER).write_text('{"version": 9, "part": "policy"}\n{"torn')
     entries = pruning.prune(run, exp)
+    assert len(entries) == 2  # the second appended after a whole line: no blank line between
     lines = (run.root / pruning.LEDGER).read_text().splitlines()
     assert lines[1] == '{"torn' and json.loads(lines[2]) == entries[0]
     assert pruning.ledger(run) == [{"version": 9, "part": "policy"}, *entries]  # the torn line skipped
     assert list(entries[0]) == ["at", "version", "iteration", "part", "rule", "files", "bytes", "paths"]
     assert entries[0]["at"].endswith("+00:00") and entries[0]["files"] == 2
     assert lines[2:] == [json.dumps(e, sort_keys=True) for e in entries]  # one sorted JSON object a line
-    assert (run.root / pruning.LEDGER).stat().st_mode & 0o777 == 0o644 & ~_umask()
     assert pruning.ledger(RunDir.at(tmp_path / "r")) == pruning.ledger(run)
     assert pruning.ledger(make_run(tmp_path / "empty", updates=0)[0]) == []
 

@@ -54,7 +54,7 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name: (modules
     "utilisation": (("utilisation",), ("test_utilisation", "test_utilisation_edges")),
     "scoring": (("scoring", "rewards"), ("test_scoring", "test_rewards", "test_reward_backends")),
     "retention": (("retention", "pruning"), ("test_retention",)),
-    "alerts": (("alerts",), ("test_alerts",)),
+    "alerts": (("alerts",), ("test_alerts", "test_alert_rules")),
 }
 DEFAULT = ("algorithms", "dynamic_sampling", "config", "commit", "replay", "critic",
            "versions")  # ~12 min on 2 cores
