@@ -30,6 +30,7 @@ def test_gsm8k_matches_the_answer_line_and_records_the_last_number():
     assert out == {"score": 1.0, "format": 1.0, "flexible": 1.0, "message": ""}
     assert rewards.gsm8k("#### 7.0", "7")["score"] == 1.0  # a ground truth that is the bare answer
     assert rewards.gsm8k("#### 7", "a #### 6 #### 7")["score"] == 1.0  # the last "####" part
+    assert rewards.gsm8k("#### 7", "####7")["score"] == 1.0
     wrong = rewards.gsm8k("#### 8 then 7", "#### 7")
     assert (wrong["score"], wrong["format"], wrong["flexible"]) == (0.0, 1.0, 1.0)
     assert rewards.gsm8k("no numbers at all", "#### 7") == {

@@ -116,7 +116,7 @@ def test_the_score_stage_scores_the_generation_with_the_experiments_settings(tmp
     assert scoring.score_for(exp, rollouts, sources, weights).to_pylist() == by_hand
     assert min(r["reward"] for r in by_hand) == -0.5  # a wrong answer at max_tokens: -1 x 0.5
     assert m["metrics"] == scoring.metrics(rollouts, scores) and m["policy_version"] == 0
-    assert {"io", "load", "compute"} <= set(m["timings"])
+    assert set(m["timings"]) == {"startup", "io", "load", "compute", "total"}
     assert m["utilisation"]["busy_s"] == m["timings"]["compute"]
 
 
@@ -136,7 +136,20 @@ def test_score_shards_merge_into_what_one_stage_scores(tmp_path):
     merged = commit.read_table(stage(tmp_path / "sharded"), "scores")
     assert merged.equals(whole) and merged.num_rows == 20
     assert m["metrics"] == commit.read_manifest(stage(tmp_path / "whole"))["metrics"]
-    assert m["policy_version"] == 0
+    assert m["policy_version"] == 0 and set(m["timings"]) == {"startup", "io", "load", "compute", "total"}
+    _generated(tmp_path / "short")
+    for i in range(2):
+        run_stage("score", tmp_path / "short", 0, scoring.score_stage, startup=0.0, shard=(i, 2))
+
+    def losing(ctx):  # shards that lost a sample each (a stand-in for a faulty shard job)
+        tables = ctx.shard_tables
+        ctx.shard_tables = lambda name, n: [t.slice(1) for t in tables(name, n)]
+        scoring.merge_shards(ctx, 2)
+
+    with pytest.raises(commit.CorruptOutputError) as err:
+        run_stage("score", tmp_path / "short", 0, losing, startup=0.0)
+    assert str(err.value) == f"the shards of {stage(tmp_path / 'short')} scored 18 samples of 20"
+    assert not commit.is_committed(stage(tmp_path / "short"))
 
 
 def test_rewards_metrics_by_split_and_data_source_by_hand():
@@ -183,14 +196,14 @@ def test_the_resident_score_stage_keeps_a_pool_of_spawned_workers_until_closed(t
     from tests import synthetic_run
 
     exp = synthetic_run.write_config(tmp_path / "r", iterations=1)
-    workers = config.with_overrides(exp, {"reward.workers": 2}, "test")
+    workers = config.with_overrides(exp, {"reward.workers": 3}, "test")
     staged = scoring.ScoreStage(workers, RunDir.at(tmp_path / "r"))
     staged.setup(0, 0)
     assert staged.pool is None  # a stage job scores in its own process
     resident = scoring.ScoreStage(workers, RunDir.at(tmp_path / "r"), resident=True)
     resident.setup(0, 0)
     pool = resident.pool
-    assert (pool._max_workers, pool._mp_context.get_start_method()) == (2, "spawn")
+    assert (pool._max_workers, pool._mp_context.get_start_method()) == (3, "spawn")
     resident.setup(1, 0)
     assert resident.pool is pool  # one pool for the run
     resident.close()
@@ -198,3 +211,28 @@ def test_the_resident_score_stage_keeps_a_pool_of_spawned_workers_until_closed(t
     alone = scoring.ScoreStage(exp, RunDir.at(tmp_path / "r"), resident=True)
     alone.setup(0, 0)
     assert alone.pool is None  # reward.workers = 0: in the generator's process
+
+
+def test_the_score_stage_runs_its_reward_functions_on_the_stages_pool(tmp_path):
+    """The resident mode's reward workers: the stage hands its pool to the reward functions (here
+    a thread pool that counts its calls; tests above run real spawned workers)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hpcrl import commit
+    from hpcrl.rundir import RunDir
+    from hpcrl.stage import run_stage
+
+    class Counting(ThreadPoolExecutor):
+        calls = 0
+
+        def map(self, *args, **kwargs):
+            Counting.calls += 1
+            return super().map(*args, **kwargs)
+
+    exp, _ = _generated(tmp_path / "r")
+    stage = scoring.ScoreStage(exp, RunDir.at(tmp_path / "r"), resident=True)
+    stage.pool = Counting(2)
+    run_stage("score", tmp_path / "r", 0, stage.run, startup=0.0)
+    stage.close()
+    assert Counting.calls == 1 and stage.pool is None
+    assert commit.read_table(tmp_path / "r" / "iter_000000" / "score", "scores").num_rows == 20
