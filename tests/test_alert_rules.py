@@ -40,11 +40,11 @@ def test_a_threshold_fires_above_it_not_at_it():
 
 
 def test_the_median_rules_at_their_boundaries_and_below_one():
-    history = past(**{KL: 0.1})
-    assert fired(AlertsConfig(kl_spike=3), UPDATE, {KL: 0.3}, history) == []  # 3 x the median: not above
-    assert fired(AlertsConfig(kl_spike=3), UPDATE, {KL: 0.31}, history) == [
-        ("kl_spike", "actor/kl_loss = 0.31 is above 3 x its median 0.1 of the last 5 iterations")]
-    assert [r for r, _ in fired(AlertsConfig(kl_spike=0.5), UPDATE, {KL: 0.06}, history)] == ["kl_spike"]
+    history = past(**{KL: 0.125})
+    assert fired(AlertsConfig(kl_spike=4), UPDATE, {KL: 0.5}, history) == []  # 4 x the median: not above
+    assert fired(AlertsConfig(kl_spike=4), UPDATE, {KL: 0.51}, history) == [
+        ("kl_spike", "actor/kl_loss = 0.51 is above 4 x its median 0.125 of the last 5 iterations")]
+    assert [r for r, _ in fired(AlertsConfig(kl_spike=0.5), UPDATE, {KL: 0.07}, history)] == ["kl_spike"]
     rewards = past(3, **{"critic/score/mean": 0.0})
     cfg = AlertsConfig(reward_drop=0.25, window=3)
     assert fired(cfg, SCORE, {"critic/score/mean": -0.25}, rewards) == []
@@ -68,6 +68,7 @@ def test_history_without_metrics_or_timings_is_no_baseline():
     old = [{}] * 5  # manifests of an hpcrl that recorded neither
     assert fired(AlertsConfig(), UPDATE, {KL: 9.0}, old, total=900.0) == []
     assert fired(AlertsConfig(), SCORE, {"critic/score/mean": -9.0}, old) == []
+    assert alerts.evaluate(AlertsConfig(), KL, UPDATE, 3, {}, old) == []  # nor the stage's own
 
 
 def test_non_finite_metrics_are_named_each_and_the_critics_nan_is_allowed():
@@ -141,3 +142,15 @@ def test_the_webhook_gets_the_alert_as_json_and_a_failure_is_named(receiver):
     assert requests == [("/hook", "application/json", {"rule": "stall", "iteration": 3})]
     assert alerts.post("not a url", {}, 5.0) == "ValueError: unknown url type: 'not a url'"
     assert alerts.post("http://127.0.0.1:9/", {}, 5.0).startswith("URLError: ")
+
+
+def test_a_webhook_that_never_answers_is_given_up_after_its_timeout():
+    import socket
+    import time
+
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        t0 = time.monotonic()
+        error = alerts.post(f"http://127.0.0.1:{silent.getsockname()[1]}/", {}, 0.3)
+        assert error is not None and "timed out" in error and time.monotonic() - t0 < 5
