@@ -57,7 +57,7 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name: (modules
     "alerts": (("alerts",), ("test_alerts", "test_alert_rules")),
 }
 DEFAULT = ("algorithms", "dynamic_sampling", "config", "commit", "replay", "critic",
-           "versions")  # ~12 min on 2 cores
+           "versions", "utilisation", "retention", "alerts")  # ~20 min on 2 cores
 KILLED = {1, 3}  # mutmut's exit codes (mutmut.stats.status_by_exit_code)
 SURVIVED = {0}
 TIMEOUT = {36, -24, 24, 152, 255}
