@@ -648,3 +648,19 @@ def test_a_config_rewritten_in_place_is_read_again_and_loads_share_nothing(write
     assert config.load(path).update.lr == 9.0
     monkeypatch.setattr(config, "parse", parse)
     assert config.load(path).update.lr == 2e-4
+
+
+@pytest.mark.parametrize("url, says", [
+    ("hooks.example.org/T0", "expected an http:// or https:// URL with a host, e.g. http://rm-node:8000/score"),
+    ("ftp://rm/score", "expected an http:// or https:// URL with a host"),
+    ("http://:8000/score", "expected an http:// or https:// URL with a host"),
+    ("https://rm:99999/x", "expected an http:// or https:// URL with a valid port"),
+    ("http://rm:port/x", "expected an http:// or https:// URL with a valid port"),
+])
+def test_every_url_key_takes_an_http_url_or_nothing(tmp_path, url, says):
+    exp = config.parse({"model": {"path": "/m"}, "data": {"train": "/t.parquet"}}, "test", tmp_path)
+    for key in ("reward.http.url", "alerts.webhook", "executor.notify.webhook"):
+        with pytest.raises(ConfigError, match=re.escape(f"{key}: Value error, {says}")):
+            config.with_overrides(exp, {key: url}, "test")
+        for fine in ("", "http://rm-node:8000/score", "https://hooks.example.org/T0"):
+            assert config.with_overrides(exp, {key: fine}, "test") is not None
