@@ -66,16 +66,21 @@ def role(stage: str, mode: str = "staged") -> str:
 
 # ---- what this process holds ---------------------------------------------------------------------
 
+def gpu_count(torch) -> int:
+    """The CUDA devices `torch` (this process's module, or None when it imported none) sees: an
+    NVML-based count, which does not initialise CUDA; 0 with a broken CUDA setup."""
+    if torch is None:
+        return 0
+    try:
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - a broken CUDA setup: count cores instead
+        return 0
+
+
 def held() -> tuple[str, str, tuple[str, ...]]:
     """(host, device type, device ids) of this process: its visible GPUs when it uses torch with
-    CUDA (NVML-based count, which does not initialise CUDA), else the CPU cores it may run on."""
-    torch = sys.modules.get("torch")
-    gpus = 0
-    if torch is not None:
-        try:
-            gpus = torch.cuda.device_count()
-        except Exception:  # noqa: BLE001 - a broken CUDA setup: count cores instead
-            gpus = 0
+    CUDA, else the CPU cores it may run on."""
+    gpus = gpu_count(sys.modules.get("torch"))
     if gpus > 0:
         visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
         ids = tuple(visible[:gpus]) if len(visible) >= gpus else tuple(str(i) for i in range(gpus))

@@ -18,7 +18,8 @@ from hpcrl.utilisation import Usage
 
 
 def gpu_torch(count):
-    """A torch module whose CUDA sees `count` devices (or raises, when `count` is an exception)."""
+    """A stand-in torch module whose CUDA sees `count` devices (or raises, when `count` is an
+    exception); it never enters sys.modules, where the real torch stays."""
     def device_count():
         if isinstance(count, Exception):
             raise count
@@ -27,10 +28,22 @@ def gpu_torch(count):
     return types.SimpleNamespace(cuda=types.SimpleNamespace(device_count=device_count))
 
 
+def gpus_seen(monkeypatch, count: int) -> None:
+    """This process's torch seeing `count` GPUs (held() asks gpu_count about sys.modules' torch)."""
+    mine = sys.modules.get("torch")
+    monkeypatch.setattr(utilisation, "gpu_count", lambda torch: count if torch is mine else -1)
+
+
 # ---- what this process holds -----------------------------------------------------------------
 
+def test_the_gpus_torch_sees_and_none_without_torch_or_with_a_broken_cuda():
+    assert utilisation.gpu_count(gpu_torch(3)) == 3
+    assert utilisation.gpu_count(gpu_torch(RuntimeError("no driver"))) == 0
+    assert utilisation.gpu_count(None) == 0
+
+
 def test_a_process_on_gpus_holds_the_first_visible_ids_torch_counts(monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch", gpu_torch(2))
+    gpus_seen(monkeypatch, 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", " 3, 5,7")
     assert utilisation.held() == (socket.gethostname(), "gpu", ("3", "5"))
     assert utilisation.devices() == 2
@@ -38,7 +51,7 @@ def test_a_process_on_gpus_holds_the_first_visible_ids_torch_counts(monkeypatch)
     assert utilisation.held()[1:] == ("gpu", ("0", "1"))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert utilisation.held()[1:] == ("gpu", ("0", "1"))
-    monkeypatch.setitem(sys.modules, "torch", gpu_torch(1))
+    gpus_seen(monkeypatch, 1)
     assert utilisation.held()[1:] == ("gpu", ("0",))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4")
     assert utilisation.held()[1:] == ("gpu", ("4",))
@@ -46,11 +59,8 @@ def test_a_process_on_gpus_holds_the_first_visible_ids_torch_counts(monkeypatch)
 
 def test_a_process_without_gpus_holds_the_cores_it_may_run_on(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5, 2} if pid == 0 else {0})
-    for torch in (gpu_torch(0), gpu_torch(RuntimeError("no driver"))):
-        monkeypatch.setitem(sys.modules, "torch", torch)
-        assert utilisation.held() == (socket.gethostname(), "cpu", ("2", "5"))
-    monkeypatch.delitem(sys.modules, "torch")  # a process that never imported torch
-    assert utilisation.held()[1:] == ("cpu", ("2", "5"))
+    gpus_seen(monkeypatch, 0)
+    assert utilisation.held() == (socket.gethostname(), "cpu", ("2", "5"))
     monkeypatch.delattr(os, "sched_getaffinity")  # not Linux: every core
     monkeypatch.setattr(os, "cpu_count", lambda: 3)
     assert utilisation.held()[1:] == ("cpu", ("0", "1", "2"))
