@@ -85,6 +85,9 @@ def _cpu_list(cores: list[int]) -> str:
     return ",".join(runs)
 
 
+CPU_BATCHED_TOKENS = 4096  # vLLM's default for an LLM on CPU
+
+
 def make_engine(exp: Experiment, model_path: Path, seed: int, worker_extension_cls: str | None = None,
                 load_format: str = "auto"):
     """A vLLM engine over the model at `model_path`; with load_format "dummy", its architecture
@@ -101,6 +104,11 @@ def make_engine(exp: Experiment, model_path: Path, seed: int, worker_extension_c
         kwargs["enable_sleep_mode"] = exp.executor.mode == "resident" and exp.executor.resident.colocate
     else:  # explicit KV cache size (left unset, vLLM's CPU backend takes most of the node's memory)
         kwargs["kv_cache_memory_bytes"] = int(exp.generate.kv_cache_gib * (1 << 30))
+        # Every request is seeded (`sample`), and vLLM rewinds a seeded request's generator when a step
+        # ends inside its prompt (a chunked prefill), which a CPU generator cannot do: such a step
+        # raised "CPU Generator does not use offset". Prompts are scheduled whole on CPU instead.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(CPU_BATCHED_TOKENS, exp.model.max_model_len)
         # A CPU engine runs eager (enforce_eager below), but vLLM still compiles its logprob helper
         # (batched_count_greater_than) with inductor on first use: 3-5 s per process for a comparison
         # and a sum. Eager gives the same ranks and logprobs.
@@ -134,30 +142,43 @@ class Request:
 def sample(llm, requests: list[Request], n: int, temperature: float, top_p: float, max_tokens: int,
            seed: int, iteration: int, policy_version: int, sampling_round: int = 0) -> pa.Table:
     """n samples per request; each request has its own seed, so results do not depend on batching.
-    Training rows come out `kept` (dynamic sampling may unmark them)."""
+    Training rows come out `kept` (dynamic sampling may unmark them).
+
+    vLLM returns token ids only (detokenize=False): its per-token detokenization, and the decoding of
+    every sampled token for its logprob entry, took about a tenth of a small model's sampling on CPU
+    (docs/benchmarks.md). The texts are decoded here in one batch (`response_texts`)."""
     from vllm import SamplingParams
 
     greedy = temperature == 0.0
     params = [SamplingParams(n=n, temperature=temperature, top_p=1.0 if greedy else top_p,
-                             max_tokens=max_tokens, logprobs=0, seed=seed + r.prompt_index)
+                             max_tokens=max_tokens, logprobs=0, seed=seed + r.prompt_index, detokenize=False)
               for r in requests]
     outputs = llm.generate([r.prompt_text for r in requests], params, use_tqdm=False)
+    completions = [sorted(out.outputs, key=lambda c: c.index) for out in outputs]
+    texts = iter(response_texts(llm.get_tokenizer(), [list(c.token_ids) for cs in completions for c in cs]))
     cols: dict[str, list] = {k: [] for k in (
         "iteration", "split", "prompt_index", "sample_index", "data_source", "prompt_text", "ground_truth",
         "prompt_ids", "response_ids", "logprobs", "response_text", "finish_reason", "policy_version", "round",
         "kept")}
-    for req, out in zip(requests, outputs, strict=True):
-        for j, comp in enumerate(sorted(out.outputs, key=lambda c: c.index)):
+    for req, out, comps in zip(requests, outputs, completions, strict=True):
+        for j, comp in enumerate(comps):
             ids = list(comp.token_ids)
             lps = [step[tok].logprob for step, tok in zip(comp.logprobs, ids, strict=True)]
             row = dict(iteration=iteration, split=req.split, prompt_index=req.prompt_index, sample_index=j,
                        data_source=req.data_source, prompt_text=req.prompt_text,
                        ground_truth=req.ground_truth, prompt_ids=list(out.prompt_token_ids), response_ids=ids,
-                       logprobs=lps, response_text=comp.text, finish_reason=comp.finish_reason or "",
+                       logprobs=lps, response_text=next(texts), finish_reason=comp.finish_reason or "",
                        policy_version=policy_version, round=sampling_round, kept=req.split == "train")
             for k, v in row.items():
                 cols[k].append(v)
     return pa.table(cols)
+
+
+def response_texts(tokenizer, responses: list[list[int]]) -> list[str]:
+    """The text of each response: its token ids decoded, special tokens skipped and spaces left as
+    the tokens spell them (as vLLM's detokenizer does); a response cut inside a multi-byte
+    character ends in U+FFFD, where vLLM's own text drops the incomplete bytes."""
+    return tokenizer.batch_decode(responses, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 def logprob_temperature(exp: Experiment, split: str) -> float:
@@ -335,6 +356,7 @@ def sequence_logprobs(llm, sequences: list[list[int]]) -> list[list[float]]:
     from vllm.inputs import TokensPrompt
 
     outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences],
-                        SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0), use_tqdm=False)
+                        SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False),
+                        use_tqdm=False)
     return [[step[tok].logprob for step, tok in zip(o.prompt_logprobs[1:], s[1:], strict=True)]
             for o, s in zip(outs, sequences, strict=True)]

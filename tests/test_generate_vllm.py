@@ -82,3 +82,38 @@ def test_generate_is_deterministic_and_never_overwrites(generated, tmp_path):
                    check=True, timeout=500)
     again = commit.read_manifest(copy / "iter_000000" / "generate")
     assert again["files"] == commit.read_manifest(d)["files"]
+
+
+def test_a_batch_of_long_prompts_samples_as_its_parts_do(tiny_task, tmp_path):
+    """Every request is seeded, so a batch gives the rows its parts give, here with prompts that
+    overflow one engine step (4096 tokens on CPU: a prefill split over two steps once crashed the
+    seeded sampler). Each text is its ids decoded, as vLLM's own detokenizer spells it."""
+    from dataclasses import replace
+
+    import pyarrow as pa
+    from vllm import SamplingParams
+
+    import tests.conftest as c
+    from hpcrl import generation
+
+    path = tmp_path / "g.toml"
+    path.write_text(c.experiment_toml(tiny_task, tmp_path / "runs", "b",
+                                      algorithm={"prompts_per_iteration": 128}))
+    exp = config.load(path)
+    llm = generation.make_engine(exp, exp.model.path, 0)
+    tok = llm.get_tokenizer()
+    requests = [replace(r, prompt_text=r.prompt_text * 3) for r in generation.train_requests(exp, 0, tok)]
+    prompt_tokens = sum(len(tok(r.prompt_text)["input_ids"]) for r in requests[:32]) * 8
+    assert prompt_tokens > generation.CPU_BATCHED_TOKENS  # vLLM's 256 sequences of a step
+    whole = generation.sample(llm, requests, 8, 1.0, 1.0, 8, 5, 0, 0)
+    parts = [generation.sample(llm, requests[i:i + 32], 8, 1.0, 1.0, 8, 5, 0, 0) for i in range(0, 128, 32)]
+    assert pa.concat_tables(parts).equals(whole) and whole.num_rows == 1024
+
+    params = [SamplingParams(n=8, temperature=1.0, max_tokens=8, logprobs=0, seed=5 + r.prompt_index)
+              for r in requests[:16]]
+    spelled = [comp for out in llm.generate([r.prompt_text for r in requests[:16]], params, use_tqdm=False)
+               for comp in sorted(out.outputs, key=lambda comp: comp.index)]
+    texts, ids = [comp.text for comp in spelled], [list(comp.token_ids) for comp in spelled]
+    assert ids == whole["response_ids"].to_pylist()[:128]
+    assert texts == whole["response_text"].to_pylist()[:128]
+    assert len(set(texts)) > 8
