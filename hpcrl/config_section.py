@@ -21,7 +21,7 @@ def _http_url(v: str) -> str:
     except ValueError:
         raise ValueError("expected an http:// or https:// URL with a valid port") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError("expected an http:// or https:// URL with a host, e.g. http://rm-node:8000/score")
+        raise ValueError("expected an http:// or https:// URL with a host, e.g. https://host.example.org:8443/path")
     return v
 
 

@@ -651,7 +651,7 @@ def test_a_config_rewritten_in_place_is_read_again_and_loads_share_nothing(write
 
 
 @pytest.mark.parametrize("url, says", [
-    ("hooks.example.org/T0", "expected an http:// or https:// URL with a host, e.g. http://rm-node:8000/score"),
+    ("hooks.example.org/T0", "expected an http:// or https:// URL with a host, e.g. https://host.example.org:8443/path"),
     ("ftp://rm/score", "expected an http:// or https:// URL with a host"),
     ("http://:8000/score", "expected an http:// or https:// URL with a host"),
     ("https://rm:99999/x", "expected an http:// or https:// URL with a valid port"),
