@@ -117,3 +117,18 @@ def test_a_batch_of_long_prompts_samples_as_its_parts_do(tiny_task, tmp_path):
     assert ids == whole["response_ids"].to_pylist()[:128]
     assert texts == whole["response_text"].to_pylist()[:128]
     assert len(set(texts)) > 8
+
+
+def test_a_response_text_is_its_ids_decoded(tiny_task):
+    """Special tokens are skipped, spaces kept as the tokens spell them (" ,"), and a response cut
+    inside a multi-byte character ends in U+FFFD (its bytes are in response_ids)."""
+    from transformers import AutoTokenizer
+
+    from hpcrl import generation
+
+    tok = AutoTokenizer.from_pretrained(tiny_task / "model")
+    whole = tok.encode("12 \u00e9 ,3")  # the byte-level BPE spells the e-acute as two byte tokens
+    cut = tok.encode("12 \u00e9")[:-1]
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    texts = generation.response_texts(tok, [whole + [eos], cut, [eos], []])
+    assert texts == ["12 \u00e9 ,3", "12 \ufffd", "", ""]
