@@ -104,7 +104,7 @@ def test_a_batch_of_long_prompts_samples_as_its_parts_do(tiny_task, tmp_path):
     tok = llm.get_tokenizer()
     requests = [replace(r, prompt_text=r.prompt_text * 3) for r in generation.train_requests(exp, 0, tok)]
     prompt_tokens = sum(len(tok(r.prompt_text)["input_ids"]) for r in requests[:32]) * 8
-    assert prompt_tokens > generation.CPU_BATCHED_TOKENS  # vLLM's 256 sequences of a step
+    assert prompt_tokens > generation.CPU_BATCHED_TOKENS  # the prompts of one step: 256 sequences on CPU
     whole = generation.sample(llm, requests, 8, 1.0, 1.0, 8, 5, 0, 0)
     parts = [generation.sample(llm, requests[i:i + 32], 8, 1.0, 1.0, 8, 5, 0, 0) for i in range(0, 128, 32)]
     assert pa.concat_tables(parts).equals(whole) and whole.num_rows == 1024
