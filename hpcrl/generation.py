@@ -144,18 +144,23 @@ def sample(llm, requests: list[Request], n: int, temperature: float, top_p: floa
     """n samples per request; each request has its own seed, so results do not depend on batching.
     Training rows come out `kept` (dynamic sampling may unmark them).
 
-    vLLM returns token ids only (detokenize=False): its per-token detokenization, and the decoding of
-    every sampled token for its logprob entry, took about a tenth of a small model's sampling on CPU
-    (docs/benchmarks.md). The texts are decoded here in one batch (`response_texts`)."""
+    vLLM's per-token work in Python is kept to what rollouts need (docs/benchmarks.md): the prompts
+    go in as token ids (`prompt_ids`, one batch call to the tokenizer, not one per prompt); the
+    responses come out as token ids (detokenize=False), decoded here in one batch (`response_texts`);
+    the sampled tokens' logprobs come out as flat lists (flat_logprobs), not a dict per token."""
     from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
     greedy = temperature == 0.0
     params = [SamplingParams(n=n, temperature=temperature, top_p=1.0 if greedy else top_p,
-                             max_tokens=max_tokens, logprobs=0, seed=seed + r.prompt_index, detokenize=False)
+                             max_tokens=max_tokens, logprobs=0, seed=seed + r.prompt_index, detokenize=False,
+                             flat_logprobs=True)
               for r in requests]
-    outputs = llm.generate([r.prompt_text for r in requests], params, use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids(tokenizer, requests)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     completions = [sorted(out.outputs, key=lambda c: c.index) for out in outputs]
-    texts = iter(response_texts(llm.get_tokenizer(), [list(c.token_ids) for cs in completions for c in cs]))
+    texts = iter(response_texts(tokenizer, [list(c.token_ids) for cs in completions for c in cs]))
     cols: dict[str, list] = {k: [] for k in (
         "iteration", "split", "prompt_index", "sample_index", "data_source", "prompt_text", "ground_truth",
         "prompt_ids", "response_ids", "logprobs", "response_text", "finish_reason", "policy_version", "round",
@@ -163,15 +168,30 @@ def sample(llm, requests: list[Request], n: int, temperature: float, top_p: floa
     for req, out, comps in zip(requests, outputs, completions, strict=True):
         for j, comp in enumerate(comps):
             ids = list(comp.token_ids)
-            lps = [step[tok].logprob for step, tok in zip(comp.logprobs, ids, strict=True)]
             row = dict(iteration=iteration, split=req.split, prompt_index=req.prompt_index, sample_index=j,
                        data_source=req.data_source, prompt_text=req.prompt_text,
                        ground_truth=req.ground_truth, prompt_ids=list(out.prompt_token_ids), response_ids=ids,
-                       logprobs=lps, response_text=next(texts), finish_reason=comp.finish_reason or "",
-                       policy_version=policy_version, round=sampling_round, kept=req.split == "train")
+                       logprobs=token_logprobs(comp.logprobs, ids), response_text=next(texts),
+                       finish_reason=comp.finish_reason or "", policy_version=policy_version,
+                       round=sampling_round, kept=req.split == "train")
             for k, v in row.items():
                 cols[k].append(v)
     return pa.table(cols)
+
+
+def prompt_ids(tokenizer, requests: list[Request]) -> list[list[int]]:
+    """The token ids of each request's prompt, as vLLM would tokenize its text (special tokens
+    added) and as the length filter counts them (hpcrl.data.prompt_lengths)."""
+    return tokenizer([r.prompt_text for r in requests])["input_ids"] if requests else []
+
+
+def token_logprobs(flat, tokens: list[int]) -> list[float]:
+    """The logprob of each of `tokens` from vLLM's flat logprobs (flat_logprobs) of one sequence,
+    asked for the chosen token alone (logprobs=0 or prompt_logprobs=0): one entry per position."""
+    if flat.token_ids != tokens:
+        raise RuntimeError(f"vLLM's logprobs name the tokens {flat.token_ids[:8]}..., not the sequence's "
+                           f"{tokens[:8]}... (one logprob per token expected)")
+    return flat.logprobs
 
 
 def response_texts(tokenizer, responses: list[list[int]]) -> list[str]:
@@ -356,7 +376,7 @@ def sequence_logprobs(llm, sequences: list[list[int]]) -> list[list[float]]:
     from vllm.inputs import TokensPrompt
 
     outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences],
-                        SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False),
+                        SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False,
+                                       flat_logprobs=True),
                         use_tqdm=False)
-    return [[step[tok].logprob for step, tok in zip(o.prompt_logprobs[1:], s[1:], strict=True)]
-            for o, s in zip(outs, sequences, strict=True)]
+    return [token_logprobs(o.prompt_logprobs, list(s[1:])) for o, s in zip(outs, sequences, strict=True)]

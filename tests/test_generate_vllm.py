@@ -87,7 +87,9 @@ def test_generate_is_deterministic_and_never_overwrites(generated, tmp_path):
 def test_a_batch_of_long_prompts_samples_as_its_parts_do(tiny_task, tmp_path):
     """Every request is seeded, so a batch gives the rows its parts give, here with prompts that
     overflow one engine step (4096 tokens on CPU: a prefill split over two steps once crashed the
-    seeded sampler). Each text is its ids decoded, as vLLM's own detokenizer spells it."""
+    seeded sampler). The rows are what vLLM gives for the prompts' texts with its defaults: the same
+    prompt ids (hpcrl tokenizes the prompts), response ids and logprobs (hpcrl takes them flat), and
+    each text is its ids decoded, as vLLM's own detokenizer spells it."""
     from dataclasses import replace
 
     import pyarrow as pa
@@ -111,12 +113,35 @@ def test_a_batch_of_long_prompts_samples_as_its_parts_do(tiny_task, tmp_path):
 
     params = [SamplingParams(n=8, temperature=1.0, max_tokens=8, logprobs=0, seed=5 + r.prompt_index)
               for r in requests[:16]]
-    spelled = [comp for out in llm.generate([r.prompt_text for r in requests[:16]], params, use_tqdm=False)
-               for comp in sorted(out.outputs, key=lambda comp: comp.index)]
-    texts, ids = [comp.text for comp in spelled], [list(comp.token_ids) for comp in spelled]
-    assert ids == whole["response_ids"].to_pylist()[:128]
-    assert texts == whole["response_text"].to_pylist()[:128]
-    assert len(set(texts)) > 8
+    outs = llm.generate([r.prompt_text for r in requests[:16]], params, use_tqdm=False)
+    spelled = [(out, comp) for out in outs for comp in sorted(out.outputs, key=lambda comp: comp.index)]
+    ids = [list(comp.token_ids) for _, comp in spelled]
+    rows = whole.slice(0, 128)
+    assert ids == rows["response_ids"].to_pylist()
+    assert [comp.text for _, comp in spelled] == rows["response_text"].to_pylist()
+    assert [list(out.prompt_token_ids) for out, _ in spelled] == rows["prompt_ids"].to_pylist()
+    assert [[step[t].logprob for step, t in zip(comp.logprobs, i, strict=True)]
+            for (_, comp), i in zip(spelled, ids, strict=True)] == rows["logprobs"].to_pylist()
+    assert len(set(rows["response_text"].to_pylist())) > 8
+
+
+def test_logprobs_that_do_not_follow_the_tokens_are_refused():
+    """vLLM's flat logprobs hold one entry per position, the chosen token's; any other layout (a
+    top-k entry beside it, a position missing) is an error, not a silent misalignment."""
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from hpcrl import generation
+
+    flat = FlatLogprobs()
+    for token, lp in ((7, -0.5), (3, -1.25)):
+        flat.append({token: Logprob(lp, rank=1)})
+    assert generation.token_logprobs(flat, [7, 3]) == [-0.5, -1.25]
+    for tokens in ([7], [7, 3, 3], [3, 7]):
+        with pytest.raises(RuntimeError, match="one logprob per token"):
+            generation.token_logprobs(flat, tokens)
+    flat.append({9: Logprob(-2.0, rank=1), 4: Logprob(-0.1, rank=1)})  # a top-1 entry beside the chosen one
+    with pytest.raises(RuntimeError, match="one logprob per token"):
+        generation.token_logprobs(flat, [7, 3, 9])
 
 
 def test_a_response_text_is_its_ids_decoded(tiny_task):
