@@ -487,7 +487,7 @@ def test_the_zero_stage_deepspeed_runs():
 DEEPSPEED_ONLY = "train on the DeepSpeed backend only; expected 0"
 
 
-@pytest.mark.parametrize(("sections", "key", "message"), [
+MEGATRON_REFUSALS = [
     ({"update": {"world_size": 3, "megatron": {"tensor_parallel": 2}}}, "update.world_size",
      "3 ranks do not split into replicas of update.megatron.tensor_parallel x pipeline_parallel = 2 ranks"),
     ({"model": {"dtype": "float16"}}, "model.dtype", "\"float16\" needs loss scaling, which the Megatron "
@@ -515,7 +515,10 @@ DEEPSPEED_ONLY = "train on the DeepSpeed backend only; expected 0"
      "mixture-of-experts models " + DEEPSPEED_ONLY),
     ({"executor": {"mode": "resident", "resident": {"colocate": True}}}, "executor.resident.colocate",
      "moving a Megatron trainer's state off the GPU for vLLM is not built yet; expected false"),
-])
+]
+
+
+@pytest.mark.parametrize(("sections", "key", "message"), MEGATRON_REFUSALS)
 def test_the_megatron_backend_refuses_what_it_does_not_run(write_experiment, sections, key, message):
     """pins (hpcrl.config_megatron): a feature of the DeepSpeed backend silently ignored by the
     Megatron one (a KL without its reference, a critic never trained, adapters trained whole); each
@@ -526,6 +529,17 @@ def test_the_megatron_backend_refuses_what_it_does_not_run(write_experiment, sec
                        + "$"):
         config.load(path)
     assert config.load(write_experiment(update={"backend": "megatron"})).update.megatron.model_parallel == 1
+
+
+def test_the_megatron_page_lists_the_keys_the_backend_refuses():
+    """docs/megatron.md's table of what the backend does not run names every feature key refused
+    above, and no other (the shape rules, world_size and micro_batch_size, are its text's)."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "megatron.md").read_text()
+    table = page.split("## What it does not run yet", 1)[1].split("\n## ", 1)[0]
+    cells = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    listed = {re.split(r" [=>]", name)[0] for cell in cells for name in re.findall(r"`([^`]+)`", cell)}
+    refused = {key for _, key, _ in MEGATRON_REFUSALS} - {"update.world_size", "update.micro_batch_size"}
+    assert listed == refused
 
 
 @pytest.mark.parametrize("update", [
