@@ -124,8 +124,10 @@ class ResidentConfig(SlurmResources):
     checkpoint_every: int = Field(1, ge=1, description="Save the policy and trainer state every N updates "
                                   "(and after the last); a crash resumes from the last saved one.")
     overlap_commit: bool = Field(True, description="Commit each update (and write its checkpoint) in the "
-                                 "background while the next generation runs; that generation commits only "
-                                 "after it. Off: the generator waits for the commit.")
+                                 "background after its weights are sent, while the next generation runs; "
+                                 "that generation commits only after it (with max_staleness > 0: where the "
+                                 "weights go out as soon as the update ends, over shared memory or files). "
+                                 "Off: the commit comes first.")
     overlap_score: bool = Field(True, description="With algorithm.max_staleness >= 1: score each generation "
                                 "on a thread beside the next one, and command its update as soon as it is "
                                 "scored, so slow rewards (a sandbox, a judge) keep no device waiting. Off: "

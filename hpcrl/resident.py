@@ -19,7 +19,8 @@ logprobs of a fixed probe batch: a mismatch stops the run (hpcrl.weight_sync.che
 lock-step (algorithm.max_staleness = 0) the trainers commit the update (with the policy and trainer
 state every `executor.resident.checkpoint_every` updates) in the background while the generator
 samples the next batch (`executor.resident.overlap_commit`); with staleness the next generations
-overlap the update itself.
+overlap the update itself, and the commit follows the send where trainer 0 sends as soon as the
+update ends (hpcrl.resident_sync.commits_behind).
 A generation commits only once the update it depends on has, so the run directory never holds a
 stage whose input is not committed.
 """

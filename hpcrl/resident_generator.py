@@ -218,7 +218,7 @@ class Generator:
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
         self.gen.version = k + 1
-        if not resident_sync.commits_behind(self.exp):
+        if not resident_sync.commits_behind(self.exp, self.presend):
             self._await_commit(k)
         from hpcrl import generation
 

@@ -19,13 +19,15 @@ def checkpoint_due(exp: Experiment, iteration: int) -> bool:
     return (iteration + 1) % every == 0 or iteration + 1 == exp.run.iterations
 
 
-def commits_behind(exp: Experiment) -> bool:
-    """Whether the trainers commit an update (and its checkpoint) after sending its weights, while
-    the generator samples (`executor.resident.overlap_commit`, lock-step only); with
-    max_staleness > 0 they commit before, while the generator is still busy with its generation;
-    colocated, before their state leaves the GPU for vLLM."""
+def commits_behind(exp: Experiment, presend: bool = False) -> bool:
+    """Whether the trainers commit an update (and its checkpoint) after sending its weights, in the
+    background while the generator samples (`executor.resident.overlap_commit`): in lock-step, and
+    with max_staleness > 0 where trainer 0 sends as soon as the update ends (`presend`), so that the
+    commit's writes do not delay the weights. With max_staleness > 0 and a send the generator asks
+    for, they commit before, while they wait for it; colocated, before their state leaves the GPU
+    for vLLM."""
     r = exp.executor.resident
-    return r.overlap_commit and exp.algorithm.max_staleness == 0 and not r.colocate
+    return r.overlap_commit and not r.colocate and (exp.algorithm.max_staleness == 0 or presend)
 
 
 def scores_beside(exp: Experiment) -> bool:

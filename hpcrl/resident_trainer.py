@@ -117,7 +117,7 @@ class Trainer:
         # the probe under the current weights: the previous update's "new", or computed once
         old = self.last_probe if self.last_probe is not None else self.actor.sequence_logprobs(probe)
         attempt = OpenStage(UPDATE, self.run.root, k, self.rank, self.exp.update.world_size, startup=0.0)
-        overlap = resident_sync.commits_behind(self.exp)
+        overlap = resident_sync.commits_behind(self.exp, presend)
         if attempt.ctx is not None:
             attempt.run(self.stage.run)
             if not overlap:

@@ -235,3 +235,24 @@ def test_another_engine_checks_its_version_and_awaits_the_update(monkeypatch):
     with pytest.raises(RuntimeError, match="engine 1 holds policy version 2; the generation of iteration 5"):
         e._generate({"iteration": 5, "version": 3, "await": None, "claim": "c"})
     assert len(claimed) == 1
+
+
+@pytest.mark.parametrize(("staleness", "presend", "colocate", "overlap", "behind"), [
+    (0, False, False, True, True),  # lock-step: the commit runs while the next generation samples
+    (0, False, False, False, False),  # executor.resident.overlap_commit off
+    (0, False, True, True, False),  # colocated: before the trainers' state leaves the GPU
+    (1, False, False, True, False),  # a send the generator asks for: the commit fills the wait for it
+    (1, True, False, True, True),  # sent as soon as the update ends: the commit does not hold it back
+    (2, True, False, False, False),
+    (1, True, True, True, False),
+])
+def test_the_trainers_commit_after_the_send_where_nothing_waits_for_the_commit(staleness, presend, colocate,
+                                                                              overlap, behind):
+    """hpcrl.resident_sync.commits_behind, which the trainers and the generator both follow (the
+    generator then awaits the commit only when a generation of that version commits)."""
+    from hpcrl import resident_sync
+
+    exp = SimpleNamespace(algorithm=SimpleNamespace(max_staleness=staleness),
+                          executor=SimpleNamespace(resident=SimpleNamespace(overlap_commit=overlap,
+                                                                            colocate=colocate)))
+    assert resident_sync.commits_behind(exp, presend) is behind
