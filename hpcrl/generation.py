@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from hpcrl import commit, data, dynamic_sampling, plan, schemas, scoring, shards, versions
 from hpcrl.config import Experiment
@@ -358,7 +359,7 @@ class GenerateStage(Stage):
 
 def rollout_metrics(rollouts: pa.Table, compute_s: float) -> dict[str, float]:
     """Generated tokens and throughput over every sample; response lengths over the update batch."""
-    lengths = [len(r) for r in rollouts["response_ids"].to_pylist()]
+    lengths = pc.list_value_length(rollouts["response_ids"]).to_pylist()  # not every token id in Python
     kept = rollouts["kept"].to_pylist()
     train_lengths = [n for n, k in zip(lengths, kept, strict=True) if k]
     m = {"perf/generated_tokens": float(sum(lengths)), "perf/throughput": sum(lengths) / max(compute_s, 1e-9)}

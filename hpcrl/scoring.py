@@ -51,11 +51,20 @@ def samples(rows: list[dict]) -> list[dict]:
              "data_source": r["data_source"]} for r in rows]
 
 
+def reward_rows(rollouts: pa.Table) -> list[dict]:
+    """The rollout rows scoring reads (INPUT_COLUMNS), as dicts, with each response's length
+    (`response_length`) in place of its token ids: those as Python ints would cost more than many a
+    reward (tools/bench_row_lengths.py)."""
+    lengths = pc.list_value_length(rollouts["response_ids"])
+    return rollouts.select([c for c in INPUT_COLUMNS if c != "response_ids"]).append_column(
+        "response_length", lengths).to_pylist()
+
+
 def score(rollouts: pa.Table, sources: dict[str, rewards.Source], weights: dict[str, float],
           overlong_buffer: int = 0, overlong_factor: float = 1.0, max_tokens: int = 0) -> pa.Table:
     """Rewards per sample. Every sample records `truncated` (it hit the length limit); with an
     overlong buffer, training samples also get the `overlong` penalty added to their reward."""
-    rows = rollouts.select(INPUT_COLUMNS).to_pylist()
+    rows = reward_rows(rollouts)
     batch = samples(rows)
     outputs = {}
     for name, source in sources.items():
@@ -73,7 +82,7 @@ def score(rollouts: pa.Table, sources: dict[str, rewards.Source], weights: dict[
         components = {**s.components, "truncated": float(r["finish_reason"] == "length")}
         reward = s.reward
         if overlong_buffer and r["split"] != "val":  # training samples and remax's baselines
-            components["overlong"] = rewards.overlong_penalty(len(r["response_ids"]), max_tokens,
+            components["overlong"] = rewards.overlong_penalty(r["response_length"], max_tokens,
                                                               overlong_buffer, overlong_factor)
             reward += components["overlong"]
         out_reward.append(reward)
