@@ -47,6 +47,15 @@ def test_score_records_truncation_and_applies_the_overlong_penalty_to_training_s
     assert [r["reward"] for r in plain.to_pylist()] == [1.0, 1.0, 0.0]
 
 
+def test_the_rows_rewards_read_carry_each_responses_length_not_its_token_ids():
+    """pins scoring.reward_rows: what the rewards and the overlong penalty read, without a Python
+    list of every response's token ids (tools/bench_row_lengths.py: 0.4 s per 8M-token batch)."""
+    rows = scoring.reward_rows(_rollouts())
+    assert [r["response_length"] for r in rows] == [3, 8, 8]
+    assert sorted(rows[0]) == sorted([*(c for c in scoring.INPUT_COLUMNS if c != "response_ids"),
+                                      "response_length"])
+
+
 def test_a_small_batch_is_shared_by_every_reward_worker_and_no_chunk_exceeds_the_cap():
     """pins (scoring.chunk_size): a batch of 256 sent to one of 4 workers whole, or chunks beyond
     POOL_CHUNK."""
