@@ -14,6 +14,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import pyarrow.parquet as pq
 from hpcrl import schemas
 
 MANIFEST = "_COMMIT.json"
+SYNC_THREADS = 16  # the most fsyncs of one commit in flight at once
 PRUNED = "_PRUNED.json"  # the parts of a committed output that retention removed (hpcrl.pruning)
 
 
@@ -153,19 +155,21 @@ def _fsync(path: Path) -> None:
 
 
 def _sync_tree(root: Path) -> None:
-    """Every file and directory under `root` on stable storage, so that a manifest that survives a
-    node crash never names data that did not (the OS may write the rename before the files)."""
-    for path in sorted(root.rglob("*")):
-        if path.is_file() or path.is_dir():
-            _fsync(path)
+    """Every file and directory under `root`, and `root` itself, on stable storage. Side by side:
+    a parallel filesystem (Lustre, GPFS) serves concurrent fsyncs from several servers, and a local
+    journal commits them together (a checkpoint's files are many)."""
+    paths = [p for p in sorted(root.rglob("*")) if p.is_file() or p.is_dir()] + [root]
+    with ThreadPoolExecutor(min(len(paths), SYNC_THREADS)) as pool:
+        list(pool.map(_fsync, paths))
 
 
 def commit(stage_dir: Path, writer: StageWriter, manifest: dict) -> dict:
-    """Write the manifest into the temporary directory and rename it into place: the data first
-    on stable storage, then the manifest, then the rename, then the directory holding it."""
+    """Write the manifest into the temporary directory and rename it into place: the data and the
+    manifest on stable storage, with the directory's entries, before the rename, then the directory
+    holding it. Nothing in the temporary directory is read before the rename makes it the stage's,
+    so the manifest may reach the disk before the data it lists, not the rename before either."""
     if is_committed(stage_dir):
         raise AlreadyCommittedError(f"{stage_dir} is committed; it is never written again")
-    _sync_tree(writer.dir)
     full = {
         "schema_version": schemas.SCHEMA_VERSION,
         **manifest,
@@ -174,12 +178,9 @@ def commit(stage_dir: Path, writer: StageWriter, manifest: dict) -> dict:
         "files": _checksums(writer.dir),
         "committed_at": time.time(),
     }
-    path = writer.dir / MANIFEST
-    with open(path, "w") as f:
+    with open(writer.dir / MANIFEST, "w") as f:
         json.dump(full, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync(writer.dir)  # its entries: every file's name, the manifest's included
+    _sync_tree(writer.dir)
     if stage_dir.exists():  # an uncommitted directory (no manifest) does not exist: clear it
         shutil.rmtree(stage_dir)
     os.rename(writer.dir, stage_dir)

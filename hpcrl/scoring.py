@@ -127,25 +127,23 @@ def component_means(scores: pa.Table) -> dict[str, float]:
 def metrics(rollouts: pa.Table, scores: pa.Table) -> dict[str, float]:
     """verl-style reward metrics: critic/score/* for training samples, val/score for validation, and the
     mean of each reward component over the training samples."""
-    import polars as pl
-
-    df = pl.from_arrow(scores.select(["split", "reward"])).with_columns(
-        pl.Series("data_source", rollouts["data_source"].to_pylist()))
+    reward = scores["reward"]
     out: dict[str, float] = {}
-    train = df.filter(pl.col("split") == "train")["reward"]
+    train = reward.filter(pc.equal(scores["split"], "train"))
     if len(train):
-        out.update({"critic/score/mean": train.mean(), "critic/score/max": train.max(),
-                    "critic/score/min": train.min()})
-    baseline = df.filter(pl.col("split") == "baseline")["reward"]
+        out.update({"critic/score/mean": pc.mean(train), "critic/score/max": pc.max(train),
+                    "critic/score/min": pc.min(train)})
+    baseline = reward.filter(pc.equal(scores["split"], "baseline"))
     if len(baseline):
-        out["remax/baseline_score"] = baseline.mean()
-    val = df.filter(pl.col("split") == "val")
-    if len(val):
-        out["val/score"] = val["reward"].mean()
-        for source, group in val.group_by("data_source"):
-            out[f"val/score/{source[0]}"] = group["reward"].mean()
+        out["remax/baseline_score"] = pc.mean(baseline)
+    val = pa.table({"source": rollouts["data_source"], "reward": reward}).filter(pc.equal(scores["split"], "val"))
+    if val.num_rows:
+        out["val/score"] = pc.mean(val["reward"])
+        means = val.group_by("source", use_threads=False).aggregate([("reward", "mean")])
+        out.update({f"val/score/{source}": mean for source, mean in
+                    zip(means["source"].to_pylist(), means["reward_mean"].to_pylist(), strict=True)})
     out.update(component_means(scores))
-    return {k: float(v) for k, v in out.items()}
+    return {k: float(v.as_py() if isinstance(v, pa.Scalar) else v) for k, v in out.items()}
 
 
 class ScoreStage(Stage):

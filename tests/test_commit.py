@@ -488,11 +488,12 @@ def test_a_manifest_is_read_as_utf8_whatever_the_jobs_locale(tmp_path):
         locale.setlocale(locale.LC_CTYPE, old)
 
 
-def test_the_data_reaches_stable_storage_before_the_manifest_and_the_rename(tmp_path, monkeypatch):
-    """Pins: a commit that fsyncs only its manifest. After a node crash the renamed directory and
-    its manifest could then survive while the tables it lists did not (empty or partial files): a
-    committed output that is lost. Every file and folder is synced before the manifest is written,
-    the folder's entries before the rename, and the parent's entry after it."""
+def test_the_data_and_the_manifest_reach_stable_storage_before_the_rename(tmp_path, monkeypatch):
+    """Pins: a commit that fsyncs only its manifest, or renames before its fsyncs end. After a node
+    crash the renamed directory and its manifest could then survive while the tables it lists did
+    not (empty or partial files): a committed output that is lost. Every file and folder of the
+    temporary directory, the manifest and the folder itself included, is synced before the rename,
+    and the parent's entry after it."""
     d = tmp_path / "iter_000000" / "update"
     w = commit.StageWriter(commit.fresh_temp_dir(d))
     w.write_table("scores", _scores())
@@ -503,9 +504,7 @@ def test_the_data_reaches_stable_storage_before_the_manifest_and_the_rename(tmp_
 
     def fsync(fd):
         path = os.readlink(f"/proc/self/fd/{fd}")
-        written = (w.dir / commit.MANIFEST).exists() or commit.is_committed(d)
-        state = "manifest written" if written else "before manifest"
-        events.append(("fsync", os.path.relpath(path, tmp_path), state))
+        events.append(("fsync", os.path.relpath(path, tmp_path), "renamed" if d.exists() else "before"))
         return real_fsync(fd)
 
     def rename(src, dst):
@@ -516,9 +515,8 @@ def test_the_data_reaches_stable_storage_before_the_manifest_and_the_rename(tmp_
     monkeypatch.setattr(commit.os, "rename", rename)
     commit.commit(d, w, {"stage": "update"})
     tmp = "iter_000000/.update.tmp"
-    synced_first = {e[1] for e in events if e[0] == "fsync" and e[2] == "before manifest"}
-    assert synced_first == {f"{tmp}/scores.parquet", f"{tmp}/policy", f"{tmp}/policy/model.safetensors"}
-    after = events[len(synced_first):]
-    assert after == [("fsync", f"{tmp}/{commit.MANIFEST}", "manifest written"),
-                     ("fsync", tmp, "manifest written"), ("rename",),
-                     ("fsync", "iter_000000", "manifest written")]
+    synced_first = {e[1] for e in events if e[0] == "fsync" and e[2] == "before"}
+    assert synced_first == {f"{tmp}/scores.parquet", f"{tmp}/policy", f"{tmp}/policy/model.safetensors",
+                            f"{tmp}/{commit.MANIFEST}", tmp}
+    assert events[len(synced_first):] == [("rename",), ("fsync", "iter_000000", "renamed")]
+    assert len(events) == len(synced_first) + 2  # each synced once
