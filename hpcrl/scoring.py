@@ -127,16 +127,16 @@ def component_means(scores: pa.Table) -> dict[str, float]:
 def metrics(rollouts: pa.Table, scores: pa.Table) -> dict[str, float]:
     """verl-style reward metrics: critic/score/* for training samples, val/score for validation, and the
     mean of each reward component over the training samples."""
-    reward = scores["reward"]
+    reward, split = scores["reward"], scores["split"]
     out: dict[str, float] = {}
-    train = reward.filter(pc.equal(scores["split"], "train"))
+    train = reward.filter(pc.equal(split, "train"))
     if len(train):
         out.update({"critic/score/mean": pc.mean(train), "critic/score/max": pc.max(train),
                     "critic/score/min": pc.min(train)})
-    baseline = reward.filter(pc.equal(scores["split"], "baseline"))
+    baseline = reward.filter(pc.equal(split, "baseline"))
     if len(baseline):
         out["remax/baseline_score"] = pc.mean(baseline)
-    val = pa.table({"source": rollouts["data_source"], "reward": reward}).filter(pc.equal(scores["split"], "val"))
+    val = pa.table({"source": rollouts["data_source"], "reward": reward}).filter(pc.equal(split, "val"))
     if val.num_rows:
         out["val/score"] = pc.mean(val["reward"])
         means = val.group_by("source", use_threads=False).aggregate([("reward", "mean")])
