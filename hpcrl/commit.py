@@ -154,13 +154,18 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+_SYNCERS: dict[int, ThreadPoolExecutor] = {}  # by process: a forked child starts its own
+
+
 def _sync_tree(root: Path) -> None:
     """Every file and directory under `root`, and `root` itself, on stable storage. Side by side:
     a parallel filesystem (Lustre, GPFS) serves concurrent fsyncs from several servers, and a local
     journal commits them together (a checkpoint's files are many)."""
     paths = [p for p in sorted(root.rglob("*")) if p.is_file() or p.is_dir()] + [root]
-    with ThreadPoolExecutor(min(len(paths), SYNC_THREADS)) as pool:
-        list(pool.map(_fsync, paths))
+    pool = _SYNCERS.get(os.getpid())
+    if pool is None:
+        pool = _SYNCERS[os.getpid()] = ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="hpcrl-fsync")
+    list(pool.map(_fsync, paths))
 
 
 def commit(stage_dir: Path, writer: StageWriter, manifest: dict) -> dict:

@@ -131,19 +131,19 @@ def metrics(rollouts: pa.Table, scores: pa.Table) -> dict[str, float]:
     out: dict[str, float] = {}
     train = reward.filter(pc.equal(split, "train"))
     if len(train):
-        out.update({"critic/score/mean": pc.mean(train), "critic/score/max": pc.max(train),
-                    "critic/score/min": pc.min(train)})
+        out.update({"critic/score/mean": pc.mean(train).as_py(), "critic/score/max": pc.max(train).as_py(),
+                    "critic/score/min": pc.min(train).as_py()})
     baseline = reward.filter(pc.equal(split, "baseline"))
     if len(baseline):
-        out["remax/baseline_score"] = pc.mean(baseline)
+        out["remax/baseline_score"] = pc.mean(baseline).as_py()
     val = pa.table({"source": rollouts["data_source"], "reward": reward}).filter(pc.equal(split, "val"))
     if val.num_rows:
-        out["val/score"] = pc.mean(val["reward"])
+        out["val/score"] = pc.mean(val["reward"]).as_py()
         means = val.group_by("source", use_threads=False).aggregate([("reward", "mean")])
         out.update({f"val/score/{source}": mean for source, mean in
                     zip(means["source"].to_pylist(), means["reward_mean"].to_pylist(), strict=True)})
     out.update(component_means(scores))
-    return {k: float(v.as_py() if isinstance(v, pa.Scalar) else v) for k, v in out.items()}
+    return {k: float(v) for k, v in out.items()}
 
 
 class ScoreStage(Stage):
