@@ -25,9 +25,10 @@ A second table splits the generator's allocated time per iteration: busy (sampli
 waiting for trainer 0's weights (sync/wait_s), loading them into vLLM (sync/load_s), the probe
 (sync/probe_s), the score stage beyond its rewards' compute (reading the rollouts, writing and
 committing the scores; none when the scores run beside the generations, on a thread whose time
-is the generation's), and the rest (the generation's writes and commit, the loop between stages).
-An iteration takes at least the generator's floor, busy + load + probe (all on its device, between
-two generations), and at least the trainer's busy time, which bounds the mean utilisation by
+is the generation's), and the rest (the generation's writes and commit, the loop between stages);
+beside them, the trainer's busy time per iteration (its update's compute). An iteration takes at
+least the generator's floor, busy + load + probe (all on its device, between two generations), and
+at least the trainer's busy time, which bounds the mean utilisation by
 (generator busy + trainer busy) / (2 x the longer of the two).
 """
 
@@ -103,6 +104,7 @@ def generator_split(manifests: list[dict], roles: dict, iterations: int) -> dict
     return {"gen busy": busy, "gen wait": sync["wait_s"], "gen load": sync["load_s"],
             "gen probe": sync["probe_s"], "gen score": score,
             "gen rest": allocated - busy - sum(sync.values()) - score,
+            "trainer busy": trainer.busy / iterations,
             "bound": (gen.busy + trainer.busy) / iterations / (2 * floor)}
 
 
@@ -163,7 +165,7 @@ def scores(s: int, overlap: bool) -> str:
     return "beside" if s > 0 and overlap else "between"
 
 
-SPLIT = ("gen busy", "gen wait", "gen load", "gen probe", "gen score", "gen rest", "bound")
+SPLIT = ("gen busy", "gen wait", "gen load", "gen probe", "gen score", "gen rest", "trainer busy", "bound")
 
 
 def print_split(models: list[str], configs: list[tuple[int, bool]], results: dict) -> None:
@@ -171,8 +173,8 @@ def print_split(models: list[str], configs: list[tuple[int, bool]], results: dic
     print("\ngenerator's allocated ms per iteration (medians); bound = the most mean utilisation an "
           "iteration no shorter than the generator's busy + load + probe, nor the trainer's busy, allows")
     print("| model | max_staleness | scores | busy | waiting for weights | loading them | probe "
-          "| score stage | rest | bound |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| score stage | rest | trainer busy | bound |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for model in models:
         for s, o in configs:
             runs = results[(model, s, o)]
