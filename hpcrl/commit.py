@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 from hpcrl import schemas
 
 MANIFEST = "_COMMIT.json"
-SYNC_THREADS = 16  # the most fsyncs of one commit in flight at once
+IO_THREADS = 16  # the most files hashed or synced at once
 PRUNED = "_PRUNED.json"  # the parts of a committed output that retention removed (hpcrl.pruning)
 
 
@@ -104,13 +104,26 @@ class StageWriter:
 
 
 def _checksums(root: Path) -> dict[str, dict]:
-    out = {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = path.relative_to(root)
-        if rel.name == MANIFEST:
-            continue
-        out[str(rel)] = {"bytes": path.stat().st_size, "sha256": file_digest(path).split(":", 1)[1]}
-    return out
+    """Size and sha256 of every file under `root` but a manifest, hashed side by side (hashlib lets
+    go of Python's lock while it hashes: a checkpoint's shards take every core)."""
+    def entry(path: Path) -> tuple[str, dict]:
+        return str(path.relative_to(root)), {"bytes": path.stat().st_size,
+                                             "sha256": file_digest(path).split(":", 1)[1]}
+
+    return dict(_each(entry, sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)))
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}  # by process: a forked child starts its own
+
+
+def _each(function, items: list) -> list:
+    """`function` of every item, in order: side by side on this process's threads, one alone here."""
+    if len(items) < 2:
+        return [function(item) for item in items]
+    pool = _POOLS.get(os.getpid())
+    if pool is None:
+        pool = _POOLS[os.getpid()] = ThreadPoolExecutor(IO_THREADS)
+    return list(pool.map(function, items))
 
 
 @contextmanager
@@ -154,18 +167,12 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-_SYNCERS: dict[int, ThreadPoolExecutor] = {}  # by process: a forked child starts its own
-
-
 def _sync_tree(root: Path) -> None:
     """Every file and directory under `root`, and `root` itself, on stable storage. Side by side:
     a parallel filesystem (Lustre, GPFS) serves concurrent fsyncs from several servers, and a local
     journal commits them together (a checkpoint's files are many)."""
     paths = [p for p in sorted(root.rglob("*")) if p.is_file() or p.is_dir()] + [root]
-    pool = _SYNCERS.get(os.getpid())
-    if pool is None:
-        pool = _SYNCERS[os.getpid()] = ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="hpcrl-fsync")
-    list(pool.map(_fsync, paths))
+    _each(_fsync, paths)
 
 
 def commit(stage_dir: Path, writer: StageWriter, manifest: dict) -> dict:
@@ -228,11 +235,14 @@ def verify(stage_dir: Path, under: str | None = None) -> list[str]:
              if (under is None or rel.startswith(f"{under}/")) and rel.split("/", 1)[0] not in pruned}
     if under is not None and not files:
         problems.append(f"{stage_dir / under}: no files of it are listed in {MANIFEST}")
+    present = [rel for rel in files if (stage_dir / rel).is_file()]
+    sized = [rel for rel in present if (stage_dir / rel).stat().st_size == files[rel]["bytes"]]
+    digests = dict(_each(lambda rel: (rel, file_digest(stage_dir / rel)), sized))
     for rel, meta in files.items():
         path = stage_dir / rel
-        if not path.is_file():
+        if rel not in present:
             problems.append(f"{path}: missing (listed in {MANIFEST})")
-        elif path.stat().st_size != meta["bytes"] or file_digest(path).split(":", 1)[1] != meta["sha256"]:
+        elif digests.get(rel) != f"sha256:{meta['sha256']}":  # no digest: another size
             problems.append(f"{path}: checksum mismatch with {MANIFEST}")
     return problems
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""What a stage commit costs: hpcrl's (`commit.commit`: the manifest written first, then every file
-and folder of the temporary directory fsynced side by side, the rename, the parent's fsync) against
-the same commit with one fsync after another and the manifest written only once the data is synced,
-side by side in one run.
+"""What a stage commit costs: hpcrl's (`commit.commit`: every file hashed side by side, the manifest
+written, then every file and folder of the temporary directory fsynced side by side, the rename, the
+parent's fsync) against the same commit with one hash and one fsync after another and the manifest
+written only once the data is synced, side by side in one run.
 
     python tools/bench_commit.py [--root DIR] [--repeats 30] [--checkpoint-files 16] [--file-mb 8]
 
@@ -35,11 +35,14 @@ from hpcrl import commit, schemas  # noqa: E402
 
 
 def one_after_another(stage_dir: Path, writer: commit.StageWriter, manifest: dict) -> dict:
-    """The reference: each file, then the manifest, then the folder, synced in turn."""
+    """The reference: each file hashed and synced in turn, then the manifest, then the folder."""
     for path in sorted(writer.dir.rglob("*")):
         commit._fsync(path)
+    files = {str(p.relative_to(writer.dir)): {"bytes": p.stat().st_size,
+                                             "sha256": commit.file_digest(p).split(":", 1)[1]}
+             for p in sorted(writer.dir.rglob("*")) if p.is_file()}
     full = {"schema_version": schemas.SCHEMA_VERSION, **manifest, "tables": writer.tables,
-            "metrics": writer.metrics, "files": commit._checksums(writer.dir), "committed_at": time.time()}
+            "metrics": writer.metrics, "files": files, "committed_at": time.time()}
     with open(writer.dir / commit.MANIFEST, "w") as f:
         json.dump(full, f, indent=2, sort_keys=True)
         f.flush()
