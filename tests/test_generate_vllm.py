@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import subprocess
 import sys
 
@@ -123,6 +125,46 @@ def test_a_batch_of_long_prompts_samples_as_its_parts_do(tiny_task, tmp_path):
     assert [[step[t].logprob for step, t in zip(comp.logprobs, i, strict=True)]
             for (_, comp), i in zip(spelled, ids, strict=True)] == rows["logprobs"].to_pylist()
     assert len(set(rows["response_text"].to_pylist())) > 8
+
+    from vllm.distributed import parallel_state
+
+    collect = gc.collect
+    generation.shutdown_engine(llm)
+    assert parallel_state._WORLD is None  # the engine's own process group went with it
+    assert gc.collect is collect
+
+
+class _Core:
+    """vLLM's engine core as its shutdown sees the heap: two full collections, then maybe an error."""
+
+    def __init__(self, error: bool):
+        self.error, self.collected = error, []
+
+    def shutdown(self):
+        self.collected += [gc.collect(), gc.collect()]
+        if self.error:
+            raise RuntimeError("shutdown failed")
+
+
+@pytest.mark.parametrize("error", [False, True])
+def test_an_engine_shuts_down_without_its_full_collections_and_gc_is_left_as_it_was(error):
+    from types import SimpleNamespace
+
+    from hpcrl import generation
+
+    core, collect, full = _Core(error), gc.collect, []
+
+    def seen(phase, info):
+        full.extend([info["generation"]] if phase == "start" and info["generation"] == 2 else [])
+
+    gc.callbacks.append(seen)
+    try:
+        with pytest.raises(RuntimeError) if error else contextlib.nullcontext():
+            generation.shutdown_engine(SimpleNamespace(llm_engine=SimpleNamespace(engine_core=core)))
+    finally:
+        gc.callbacks.remove(seen)
+    assert core.collected == [0, 0] and full == []
+    assert gc.collect is collect and isinstance(gc.collect(), int)
 
 
 def test_logprobs_that_do_not_follow_the_tokens_are_refused():
