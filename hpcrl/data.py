@@ -21,6 +21,8 @@ import pyarrow.compute as pc
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
+from hpcrl import hf_imports
+
 if TYPE_CHECKING:
     from hpcrl.config import Experiment
 
@@ -228,6 +230,7 @@ def prompt_lengths(exp: Experiment, split: str, table: pa.Table, tokenizer=None)
 
 
 def load_tokenizer(exp: Experiment):
+    hf_imports.skip_scikit_learn()
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(exp.tokenizer_path)

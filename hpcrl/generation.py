@@ -19,7 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from hpcrl import commit, data, dynamic_sampling, plan, schemas, scoring, shards, versions
+from hpcrl import commit, data, dynamic_sampling, hf_imports, plan, schemas, scoring, shards, versions
 from hpcrl.config import Experiment
 from hpcrl.config_training import GenerateConfig
 from hpcrl.stage import Stage, StageContext
@@ -55,6 +55,7 @@ def configure_env(g: GenerateConfig, scratch: Path | None = None) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # In-process engine core: 3-5 s to start instead of 15-33 s, and no spawned workers.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    hf_imports.skip_scikit_learn()
     if not on_gpu():  # each tensor-parallel worker its own cores, or no binding for one
         binding = cpu_thread_binding(g.tensor_parallel_size)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", binding)

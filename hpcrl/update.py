@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from hpcrl import advantages, agreement, batches, commit, kl_control, losses, preemption, trainer
+from hpcrl import advantages, agreement, batches, commit, hf_imports, kl_control, losses, preemption, trainer
 from hpcrl.actor import Actor, StepInputs
 from hpcrl.jit_ops import import_deepspeed
 from hpcrl.kl_control import KLControl
@@ -59,6 +59,7 @@ class UpdateStage(Stage):
         import_deepspeed()  # its import cost is process start-up, not model loading
 
     def setup(self, version: int, seed: int = 0) -> None:
+        hf_imports.skip_scikit_learn()
         if self.exp.update.backend == "megatron":
             from hpcrl.megatron_actor import MegatronActor
 
