@@ -5,11 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from hpcrl import config
-
 PROCESS = """
 import sys
-from hpcrl import config, data, generation, hf_imports
+from hpcrl import config, data, generation
 exp = config.load(sys.argv[1])
 {first}
 from vllm import LLM
@@ -31,7 +29,6 @@ def test_a_generate_job_and_a_preflight_load_transformers_without_scikit_learn(w
     """vLLM's engine (generation.configure_env comes first) and the pre-flight's tokenizer: both
     import transformers' generation utilities, not scikit-learn, which a reward may still import."""
     path = write_experiment()
-    config.load(path)
     want = ["['transformers.generation', 'vllm.entrypoints.llm']", "importable"]
     assert _modules(path, "generation.configure_env(exp.generate)") == want
     assert _modules(path, "data.load_tokenizer(exp)") == want
