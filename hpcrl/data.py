@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from hpcrl import hf_imports
+from hpcrl import commit, hf_imports
 
 if TYPE_CHECKING:
     from hpcrl.config import Experiment
@@ -67,7 +67,7 @@ def _read_raw(path: Path, split: str) -> pa.Table:
     suffix = path.suffix.lower()
     try:
         if suffix == ".parquet":
-            table = pq.read_table(path)
+            table = commit.read_parquet(path)
         elif suffix in (".jsonl", ".json"):
             table = pajson.read_json(path)
         else:
@@ -221,7 +221,7 @@ def prompt_lengths(exp: Experiment, split: str, table: pa.Table, tokenizer=None)
     path = Path(getattr(exp.data, split))
     cache = _lengths_file(exp, path, getattr(exp.data, f"{split}_split"))
     if cache.is_file():
-        lengths = pq.read_table(cache)["prompt_tokens"].to_numpy()
+        lengths = commit.read_parquet(cache)["prompt_tokens"].to_numpy()
         if len(lengths) == table.num_rows:
             return lengths
     lengths = _measure(table["prompt"].to_pylist(), tokenizer or load_tokenizer(exp), path)

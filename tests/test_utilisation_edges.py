@@ -83,6 +83,28 @@ def test_every_rank_of_a_stage_reports_what_it_holds(monkeypatch):
     assert utilisation.stage_ranks(2) == [mine, ("other", "cpu", ("9",))] and calls == [2]
 
 
+def test_a_process_starts_when_it_was_spawned_to_the_clock_tick(monkeypatch):
+    """Pins: psutil's create_time first, which dates a process up to 1 s early (the boot time it
+    adds to is whole seconds: 0.78 s early on the machine this was written on), or a start read
+    from the wrong field of /proc/self/stat; and the fallbacks off Linux."""
+    import subprocess
+    import time
+
+    code = "import time; from hpcrl import utilisation; print(utilisation.process_start(), time.time())"
+    before = time.time()
+    start, ran = map(float, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                           check=True).stdout.split())
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert before - tick - 0.005 <= start <= ran
+    import psutil
+
+    monkeypatch.delattr(time, "CLOCK_BOOTTIME")  # as off Linux
+
+    assert utilisation.process_start() == psutil.Process().create_time()
+    monkeypatch.setitem(sys.modules, "psutil", None)  # `import psutil` raises ImportError
+    assert utilisation.process_start() == utilisation._IMPORTED
+
+
 def test_the_process_clock_is_one_and_starts_at_the_process_start(monkeypatch):
     monkeypatch.setattr(utilisation, "_CLOCK", None)  # as in a process whose stages have not begun
     assert utilisation.clock() is utilisation.clock()
