@@ -123,16 +123,18 @@ def devices() -> int:
 
 
 def process_start() -> float:
-    """When this process was created (epoch seconds): interpreter start and imports included.
+    """When this process was created (epoch seconds; imports included), once per process."""
+    pid = os.getpid()  # a forked child reads its own
+    return _STARTS[pid] if pid in _STARTS else _STARTS.setdefault(pid, _started())
 
-    On Linux from the kernel's start time (clock ticks since boot, /proc/self/stat) against the
-    clock since boot: not psutil's create_time, which adds those ticks to the boot time that
-    /proc/stat gives in whole seconds, and so dates every process up to 1 s too early."""
+
+def _started() -> float:
+    """On Linux the kernel's start time (clock ticks since boot) against the clock since boot; not
+    psutil's create_time, whose boot time in whole seconds dates a process up to 1 s too early."""
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        since_boot = ticks / os.sysconf("SC_CLK_TCK")
-        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
+        return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):  # no /proc or no boot clock: not Linux
         pass
     try:
@@ -143,6 +145,7 @@ def process_start() -> float:
         return _IMPORTED
 
 
+_STARTS: dict[int, float] = {}
 _IMPORTED = time.time()
 
 

@@ -86,7 +86,8 @@ def test_every_rank_of_a_stage_reports_what_it_holds(monkeypatch):
 def test_a_process_starts_when_it_was_spawned_to_the_clock_tick(monkeypatch):
     """Pins: psutil's create_time first, which dates a process up to 1 s early (the boot time it
     adds to is whole seconds: 0.78 s early on the machine this was written on), or a start read
-    from the wrong field of /proc/self/stat; and the fallbacks off Linux."""
+    from the wrong field of /proc/self/stat; one start per process, read again in a forked child;
+    and the fallbacks off Linux."""
     import subprocess
     import time
 
@@ -96,13 +97,34 @@ def test_a_process_starts_when_it_was_spawned_to_the_clock_tick(monkeypatch):
                                            check=True).stdout.split())
     tick = 1 / os.sysconf("SC_CLK_TCK")
     assert before - tick - 0.005 <= start <= ran
+    mine = utilisation.process_start()
+    assert utilisation.process_start() == mine < before
+    read, write = os.pipe()
+    if (child := os.fork()) == 0:  # the child's own start, not the one its parent read
+        try:
+            os.write(write, repr(utilisation.process_start()).encode())
+        finally:
+            os._exit(0)  # never on into the parent's tests
+    os.waitpid(child, 0)
+    assert float(os.read(read, 64)) > before
     import psutil
 
     monkeypatch.delattr(time, "CLOCK_BOOTTIME")  # as off Linux
-
-    assert utilisation.process_start() == psutil.Process().create_time()
+    assert utilisation._started() == psutil.Process().create_time()
     monkeypatch.setitem(sys.modules, "psutil", None)  # `import psutil` raises ImportError
-    assert utilisation.process_start() == utilisation._IMPORTED
+    assert utilisation._started() == utilisation._IMPORTED
+
+
+def test_a_process_start_is_read_past_a_command_name_with_brackets(monkeypatch):
+    """Pins: /proc/self/stat cut at the first ")" (a command may have one in its name)."""
+    import io
+    import time
+
+    stat = "4242 (evil) (x) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 123456 99 98\n"
+    monkeypatch.setattr(utilisation, "open", lambda path: io.StringIO(stat), raising=False)
+    monkeypatch.setattr(time, "clock_gettime", lambda clock: 2000.0)
+    monkeypatch.setattr(time, "time", lambda: 9000.0)
+    assert utilisation._started() == 9000.0 - (2000.0 - 123456 / os.sysconf("SC_CLK_TCK"))
 
 
 def test_the_process_clock_is_one_and_starts_at_the_process_start(monkeypatch):
