@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from hpcrl.moe import RouterTally
@@ -57,9 +58,9 @@ def load_samples(rollouts: pa.Table, scores: pa.Table) -> Samples:
     line up key by key). Rollouts of schema v1 have no `kept`: every training row is kept."""
     if rollouts.select(list(SAMPLE_KEYS)) != scores.select(list(SAMPLE_KEYS)):
         raise ValueError("score rows do not line up with the rollouts (keys differ)")
-    batch = pa.compute.equal(rollouts["split"], "train")
+    batch = pc.equal(rollouts["split"], "train")
     if "kept" in rollouts.column_names:
-        batch = pa.compute.and_(batch, rollouts["kept"])
+        batch = pc.and_(batch, rollouts["kept"])
     train, s = rollouts.filter(batch), scores.filter(batch)
     return Samples(
         keys=train.select(list(SAMPLE_KEYS)),
@@ -75,7 +76,7 @@ def load_samples(rollouts: pa.Table, scores: pa.Table) -> Samples:
 
 def _baselines(scores: pa.Table, prompts: list[int]) -> torch.Tensor | None:
     """The reward of the greedy baseline sample of each row's prompt (remax); None without any."""
-    rows = scores.filter(pa.compute.equal(scores["split"], "baseline"))
+    rows = scores.filter(pc.equal(scores["split"], "baseline"))
     if not rows.num_rows:
         return None
     by_prompt = dict(zip(rows["prompt_index"].to_pylist(), rows["reward"].to_pylist(), strict=True))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from hpcrl import commit, config, plan, schemas, scoring
 from hpcrl.config import Experiment
@@ -125,7 +126,7 @@ def learning_curve(k: int, iterations: int) -> float:
 
 def exact_match_rewards(rollouts: pa.Table) -> np.ndarray:
     """1.0 where the response text equals the ground truth (hpcrl.rewards.exact_match, vectorised)."""
-    same = pa.compute.equal(rollouts["response_text"], rollouts["ground_truth"])
+    same = pc.equal(rollouts["response_text"], rollouts["ground_truth"])
     return same.to_numpy(zero_copy_only=False).astype(np.float64)
 
 
@@ -183,7 +184,7 @@ def commit_score(run: RunDir, k: int, rollouts: pa.Table, scores: pa.Table, rng:
 def commit_update(run: RunDir, exp: Experiment, k: int, rollouts: pa.Table, scores: pa.Table,
                   rng: np.random.Generator, policy_from: Path | None = None) -> dict:
     """Commit stats and advantages (and a policy/ copy of `policy_from`) like stages/update."""
-    is_train = pa.compute.equal(rollouts["split"], "train")
+    is_train = pc.equal(rollouts["split"], "train")
     train, s = rollouts.filter(is_train), scores.filter(is_train)
     g = exp.algorithm.group_size
     r = s["reward"].to_numpy()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 import torch
 
@@ -502,7 +503,7 @@ def _tables(kept: bool = True, baselines: bool = True) -> tuple[pa.Table, pa.Tab
     if not kept:
         rollouts = rollouts.drop_columns(["kept"])
     if not baselines:
-        rollouts, scores = (t.filter(pa.compute.not_equal(t["split"], "baseline"))
+        rollouts, scores = (t.filter(pc.not_equal(t["split"], "baseline"))
                             for t in (rollouts, scores))
     return rollouts, scores
 

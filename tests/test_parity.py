@@ -204,6 +204,7 @@ def test_remax_subtracts_the_greedy_baseline():
 
 def test_remax_baselines_are_read_from_the_scores_by_prompt():
     import pyarrow as pa
+    import pyarrow.compute as pc
 
     from hpcrl.batches import _baselines
 
@@ -212,7 +213,7 @@ def test_remax_baselines_are_read_from_the_scores_by_prompt():
     assert _baselines(scores, [7, 3, 7]).tolist() == [0.75, 0.25, 0.75]
     with pytest.raises(ValueError, match=r"no greedy baseline sample for the training prompts \[5\]"):
         _baselines(scores, [5, 3])
-    assert _baselines(scores.filter(pa.compute.not_equal(scores["split"], "baseline")), [7]) is None
+    assert _baselines(scores.filter(pc.not_equal(scores["split"], "baseline")), [7]) is None
 
 
 def test_statistics_leave_out_padding_and_rows_without_tokens():

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -365,7 +366,7 @@ def test_a_generate_replay_where_no_sample_agrees_differs_with_nothing_to_compar
     """Pins the generate verdict when no sample's tokens agree, so no logprob can be compared: the
     logprob difference is 0 (not a crash on an empty max or mean, nor a made-up 1.0), and the
     verdict is different because of the tokens."""
-    nonempty = rollouts.filter(pa.compute.greater(pa.compute.list_value_length(rollouts["response_ids"]), 0))
+    nonempty = rollouts.filter(pc.greater(pc.list_value_length(rollouts["response_ids"]), 0))
     other = nonempty.set_column(
         nonempty.schema.get_field_index("response_ids"), "response_ids",
         pa.array([[t + 1 for t in ids] for ids in nonempty["response_ids"].to_pylist()],

@@ -1,6 +1,7 @@
 """Reward functions and scoring of a rollouts table, against values worked out by hand."""
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from hpcrl import rewards, scoring
@@ -175,7 +176,7 @@ def test_rewards_metrics_by_split_and_data_source_by_hand():
         "reward/exact/mean": 0.5, "reward/x/y/mean": 3.0}
     # the training rows of a table slice: each component's mean over those rows only
     assert scoring.component_means(scores.slice(1, 4)) == {"reward/exact/mean": 0.0, "reward/x/y/mean": 3.0}
-    val_only = scores.filter(pa.compute.equal(scores["split"], "val"))
+    val_only = scores.filter(pc.equal(scores["split"], "val"))
     assert scoring.metrics(rollouts.slice(2, 3), val_only) == {"val/score": 1.75 / 3, "val/score/b": 0.375,
                                                              "val/score/a": 1.0}
 

@@ -4,6 +4,7 @@ stage kinds named in one place (hpcrl.stage_kinds)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,19 @@ def test_modules_and_functions_are_small():
 
 # "score" is also the name of the main reward component a reward function returns.
 COMPONENT = {"rewards.py": {"score"}, "reward_backends.py": {"score"}}
+
+
+def test_a_pyarrow_submodule_is_used_only_where_it_is_imported():
+    """`pa.compute.equal` works only where some other import loaded pyarrow.compute first (reading
+    a table with pq.read_table did): a trainer process that read its tables another way failed."""
+    used = {}
+    for path in [*PACKAGE, *sorted((ROOT / "tests").glob("*.py")), *sorted((ROOT / "tools").glob("*.py"))]:
+        text = path.read_text() if path != Path(__file__).resolve() else ""
+        subs = re.findall(r"\bpa\.(compute|dataset|json|csv|ipc|fs|parquet|feather|flight)\.", text)
+        missing = {sub for sub in subs if not re.search(rf"^\s*(import|from) pyarrow\.{sub}\b", text, re.M)}
+        if missing:
+            used[path.name] = sorted(missing)
+    assert used == {}
 
 
 def test_a_stage_name_is_written_out_only_in_the_registry():
