@@ -360,7 +360,8 @@ def test_a_committed_table_reads_back_whole_in_a_process_that_never_imports_pyar
 
 
 def test_read_table_reads_the_columns_asked_for_and_refuses_a_missing_or_unlisted_file(tmp_path):
-    """Pins: `columns` not passed to the reader, a missing table named without the ones there are,
+    """Pins: `columns` not passed to the reader, a column the file lacks left out without an error,
+    a missing table named without the ones there are,
     and a table file that is gone (or not in the manifest's files) read as if it were sound, or
     failing with another error than CorruptOutputError."""
     import json
@@ -368,6 +369,8 @@ def test_read_table_reads_the_columns_asked_for_and_refuses_a_missing_or_unliste
     d = tmp_path / "score"
     _commit(d, _scores())
     assert commit.read_table(d, "scores", columns=["reward"]).column_names == ["reward"]
+    with pytest.raises(pa.ArrowInvalid, match=r"scores\.parquet: has no column 'kept', 'round' \(has split,"):
+        commit.read_table(d, "scores", columns=["reward", "kept", "round"])
     with pytest.raises(commit.CorruptOutputError, match=r"has no table 'rollouts' \(has \['scores'\]\)"):
         commit.read_table(d, "rollouts")
     assert commit.read_table(d, "scores", check=False).num_rows == 3
