@@ -106,7 +106,9 @@ def test_a_process_starts_when_it_was_spawned_to_the_clock_tick(monkeypatch):
         finally:
             os._exit(0)  # never on into the parent's tests
     os.waitpid(child, 0)
-    assert float(os.read(read, 64)) > before
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        assert float(pipe.read()) > before
     import psutil
 
     monkeypatch.delattr(time, "CLOCK_BOOTTIME")  # as off Linux
