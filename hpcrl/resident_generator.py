@@ -224,10 +224,11 @@ class Generator:
 
         t0 = time.perf_counter()
         engine_lp = generation.sequence_logprobs(self.llm, self.probe)
-        metrics = self._check_probe(engine_lp, reply, k + 1)
-        metrics["sync/probe_s"] = time.perf_counter() - t0
+        probe_s = time.perf_counter() - t0
+        trainer_lp = self.plane.wait_reply(seq, part="probe")  # the trainer's, computed after its send
+        metrics = {**self._check_probe(engine_lp, trainer_lp, k + 1), "sync/probe_s": probe_s}
         for e, answer in enumerate(self.fleet.wait(others), 1):  # theirs, computed beside the leader's
-            self._check_probe(answer["probe"], reply, k + 1, f"engine {e}: ")
+            self._check_probe(answer["probe"], trainer_lp, k + 1, f"engine {e}: ")
         self._loaded()
         nbytes = float(reply["handoff"]["bytes"])
         self.gen.metrics = {**metrics, **{f"sync/{name}": v for name, v in sync.items()},
@@ -238,10 +239,10 @@ class Generator:
         self.loads += 1
         self.plane.signal(f"loaded/{self.loads}")
 
-    def _check_probe(self, engine_lp: list, reply: dict, version: int, who: str = "") -> dict:
+    def _check_probe(self, engine_lp: list, trainer_lp: dict, version: int, who: str = "") -> dict:
         tol = weight_sync.probe_tolerance(self.exp.executor.resident.sync_check_tol, self.exp.model.dtype)
         try:
-            return weight_sync.check_probe(engine_lp, reply["probe_new"], reply["probe_old"], tol,
+            return weight_sync.check_probe(engine_lp, trainer_lp["probe_new"], trainer_lp["probe_old"], tol,
                                            version=version, noise=getattr(self, "noise", None))
         except weight_sync.WeightSyncError as err:
             raise weight_sync.WeightSyncError(f"{who}{err}") from None

@@ -6,7 +6,10 @@ when due).
 An update's weights go out when the generator asks for them (between two of its generations), or,
 when the update command says `presend` (asynchronous generation over a transport that does not
 stream: a shared buffer or files), as soon as the engines have loaded the previous ones out of that
-buffer: the send then runs while the generator samples, not while it waits."""
+buffer: the send then runs while the generator samples, not while it waits. Committing behind
+(resident_sync.commits_behind), the weights go out as soon as the update's compute ends, before
+its outputs are written; the probe under them (hpcrl.agreement) follows as a second part of the
+reply, computed while the engines load."""
 
 from __future__ import annotations
 
@@ -117,27 +120,43 @@ class Trainer:
         # the probe under the current weights: the previous update's "new", or computed once
         old = self.last_probe if self.last_probe is not None else self.actor.sequence_logprobs(probe)
         attempt = OpenStage(UPDATE, self.run.root, k, self.rank, self.exp.update.world_size, startup=0.0)
-        overlap = resident_sync.commits_behind(self.exp, presend)
-        if attempt.ctx is not None:
-            attempt.run(self.stage.run)
-            if not overlap:
-                self._commit(attempt, k, checkpoint)
-        new = self.last_probe = self.actor.sequence_logprobs(probe)
-        reply = {"probe_old": old, "probe_new": new}
-        # every rank waits (no collective of the trainers is held meanwhile) until the generator is
-        # between two generations (with max_staleness > 0 that may be a whole generation away), or,
-        # presending, until the engines no longer read the buffer this send rewrites
+
+        def hand_over() -> None:
+            """The new weights to the engines, then the probe under them (hpcrl.agreement) for
+            the generator's check, which it makes once it has loaded them."""
+            new = self.actor.sequence_logprobs(probe) if self.colocated else None  # before vLLM's turn
+            self._send_update(k, presend)
+            self.last_probe = new if new is not None else self.actor.sequence_logprobs(probe)
+            if self.rank == 0:
+                self.plane.reply({"probe_old": old, "probe_new": self.last_probe}, part="probe")
+
+        if attempt.ctx is None:  # committed by an earlier attempt
+            hand_over()
+            if self.rank == 0:
+                self.plane.signal(f"committed/{k}")
+            return
+        behind = resident_sync.commits_behind(self.exp, presend)
+        # committing behind, the weights go out as soon as the update's compute ends: its outputs
+        # are written, and committed with the checkpoint, while the generator loads and samples
+        self.stage.after_compute = hand_over if behind else None
+        attempt.run(self.stage.run)
+        if not behind:
+            self._commit(attempt, k, checkpoint)
+            hand_over()
+            return
+        self.committer = threading.Thread(target=self._commit_in_background, args=(attempt, k, checkpoint),
+                                          name="hpcrl-commit", daemon=True)
+        self.committer.start()
+
+    def _send_update(self, k: int, presend: bool) -> None:
+        """Update k's weights to the engines once they may take them: every rank waits (no
+        collective of the trainers is held meanwhile) until the generator is between two
+        generations (with max_staleness > 0 that may be a whole generation away), or, presending,
+        until the engines no longer read the buffer this send rewrites."""
         self.plane.wait_signal(f"loaded/{self.sends}" if presend else f"receive/{k}")
-        reply.update(self._send_weights(k))
+        reply = self._send_weights(k)
         if self.rank == 0:
             self.plane.reply(reply)
-        if attempt.ctx is None and self.rank == 0:  # committed by an earlier attempt
-            self.plane.signal(f"committed/{k}")
-        elif attempt.ctx is not None and overlap:
-            # the checkpoint and the commit run while the generator samples
-            self.committer = threading.Thread(target=self._commit_in_background,
-                                              args=(attempt, k, checkpoint), name="hpcrl-commit", daemon=True)
-            self.committer.start()
 
     def _commit(self, attempt: OpenStage, k: int, checkpoint: bool) -> None:
         """The update's outputs (with the policy and trainer state when due) committed; the

@@ -286,12 +286,13 @@ class ControlPlane:
         self._seqs[channel] = seq = self._seqs.get(channel, 0) + 1
         return self.wait_for(f"cmd/{channel}/{seq}")
 
-    def reply(self, payload: dict, channel: str = "trainers") -> None:
-        """The reply to the last command `receive` returned on `channel`."""
-        self.put(self.store, f"reply/{channel}/{self._seqs[channel]}", payload)
+    def reply(self, payload: dict, channel: str = "trainers", part: str = "") -> None:
+        """The reply to the last command `receive` returned on `channel`; a command may have
+        several, each a named `part` of it."""
+        self.put(self.store, f"reply/{channel}/{self._seqs[channel]}{'/' + part if part else ''}", payload)
 
-    def wait_reply(self, seq: int, channel: str = "trainers") -> dict:
-        return self.wait_for(f"reply/{channel}/{seq}")
+    def wait_reply(self, seq: int, channel: str = "trainers", part: str = "") -> dict:
+        return self.wait_for(f"reply/{channel}/{seq}{'/' + part if part else ''}")
 
     # -- signals (any thread of any task -> whoever waits) -----------------------------------
     def signal(self, name: str) -> None:

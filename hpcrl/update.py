@@ -11,6 +11,7 @@ the engines' state (hpcrl.preemption), and the requeued job loads it whole and g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,6 +55,9 @@ class UpdateStage(Stage):
 
     name = UPDATE
     actor: Actor | None = None
+    # called on every rank once an update's compute has ended and its weights are known finite,
+    # before its outputs are written (the resident trainers send the weights then)
+    after_compute: Callable[[], None] | None = None
 
     def startup(self) -> None:
         import_deepspeed()  # its import cost is process start-up, not model loading
@@ -68,7 +72,7 @@ class UpdateStage(Stage):
             self.actor = Actor.for_version(self.exp, self.rundir, version, self.rank, self.world_size)
 
     def run(self, ctx: StageContext, guard: preemption.Guard | None = None) -> None:
-        Update(self.actor, ctx, guard).run()
+        Update(self.actor, ctx, guard, self.after_compute).run()
 
     def job(self, ctx: StageContext) -> None:
         """Set up, update under Slurm's pre-timeout signal (save progress, requeue, resume), save."""
@@ -85,12 +89,15 @@ class Update:
     """The update of ctx.iteration by `actor`; writes `stats` and `advantages` (rank 0).
 
     With a preemption `guard`, a signal makes it save its progress after the current optimizer
-    step and hand over for a requeue; a requeued update resumes there."""
+    step and hand over for a requeue; a requeued update resumes there. `after_compute` runs once
+    the steps have ended and the weights are known finite, before the writes."""
 
-    def __init__(self, actor: Actor, ctx: StageContext, guard: preemption.Guard | None = None):
+    def __init__(self, actor: Actor, ctx: StageContext, guard: preemption.Guard | None = None,
+                 after_compute: Callable[[], None] | None = None):
         exp, k = actor.exp, ctx.iteration
         a = exp.algorithm
         self.actor, self.ctx, self.guard, self.exp = actor, ctx, guard, exp
+        self.after_compute = after_compute
         gen, scored = ctx.input_dir(GENERATE), ctx.input_dir(SCORE)
         previous = ctx.input_dir(UPDATE, k - 1) if k > 0 else None
         ctx.policy_version = k + 1
@@ -128,6 +135,8 @@ class Update:
                 if self.guard is not None and state.step < len(self.steps) and self.guard.should_stop():
                     self._hand_over(state)
         trainer.refuse_non_finite(k, state.stats, {name: e.module for name, e in self.engines.items()})
+        if self.after_compute is not None:
+            self.after_compute()
         if self.actor.rank == 0:
             self._write(state)
 

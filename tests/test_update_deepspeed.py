@@ -451,7 +451,23 @@ def test_an_update_whose_trainer_disagrees_with_the_sampler_stops_uncommitted(wr
     assert "[update] iteration 0: step" not in job.stdout()  # no step finished (each prints a line)
 
 
-class PoisonedUpdate(executors.StageCall):
+class HookedUpdate(executors.StageCall):
+    """The update stage job with an `after_compute` hook (the resident trainers send the weights
+    there) that prints which of the update's tables are written when it runs."""
+
+    def __call__(self) -> None:
+        from hpcrl.update import UpdateStage
+
+        def hook() -> None:
+            update_dir = RunDir.at(self.run_dir).stage_dir(self.iteration, "update")
+            written = sorted(p.name for p in commit.temp_dir(update_dir).rglob("*.parquet"))
+            print(f"after_compute: written {written}", flush=True)
+
+        UpdateStage.after_compute = staticmethod(hook)
+        super().__call__()
+
+
+class PoisonedUpdate(HookedUpdate):
     """The update stage job with a fault injected: after the (last) optimizer step one weight of the
     policy is set to NaN (what an overflowing step or a bad kernel leaves behind)."""
 
@@ -489,6 +505,25 @@ def test_an_update_that_goes_non_finite_commits_nothing(write_experiment):
         job.result()
     assert not commit.is_committed(run.stage_dir(0, "update"))
     assert not (run.stage_dir(0, "update") / "policy").exists()
+    assert "after_compute" not in job.stdout()  # no weights of it are sent either
+
+
+def test_the_weights_are_handed_over_after_the_steps_and_before_the_writes(write_experiment):
+    """`after_compute`, where the resident trainers send an update's weights, runs once every step
+    has ended, before any table of the update is written; the update then commits as usual."""
+    import submitit
+    from transformers import AutoTokenizer
+
+    exp = config.load(write_experiment("hooked", run={"iterations": 1}))
+    run, _ = runs.prepare(exp, "hooked")
+    _commit_inputs(run, exp, AutoTokenizer.from_pretrained(exp.model.path))
+    local = submitit.LocalExecutor(folder=run.logs / "%j")
+    job = local.submit(HookedUpdate("stages.update", str(run.root), 0))
+    job.result()
+    out = job.stdout()
+    steps = exp.update.ppo_epochs * exp.update.mini_batches
+    assert out.index(f"step {steps}/{steps}") < out.index("after_compute: written []")
+    assert commit.read_table(run.stage_dir(0, "update"), "stats").num_rows == steps
 
 
 def test_a_bf16_update_keeps_fp32_master_weights_and_gradients(write_experiment):
