@@ -255,14 +255,20 @@ def _request(split: str, i: int, prompts: pa.Table, tokenizer) -> Request:
 
 
 def generate(ctx, llm, version: int, pool=None, await_policy: Callable[[], None] | None = None) -> None:
-    """The generate stage of ctx.iteration with `llm` holding policy `version`: rollouts + metrics.
+    """The generate stage of ctx.iteration with `llm` holding policy `version`: rollouts + metrics
+    (`sample_rollouts`, then `write_rollouts`)."""
+    write_rollouts(ctx, sample_rollouts(ctx, llm, version, pool, await_policy is None), version, await_policy)
+
+
+def sample_rollouts(ctx, llm, version: int, pool=None, committed: bool = True) -> pa.Table:
+    """The rollouts of ctx.iteration, sampled by `llm` holding policy `version` (`committed`: the
+    update that made it is, hpcrl.versions.check_generate).
 
     With algorithm.dynamic_sampling, training prompts are sampled in rounds and scored here to
     choose the update batch (hpcrl/dynamic_sampling.py); the reward functions run on `pool` (the
-    resident mode's reward workers) when given. `await_policy` returns once the update that made
-    the policy is committed (the resident trainer commits it while this samples)."""
+    resident mode's reward workers) when given."""
     exp, k = ctx.exp, ctx.iteration
-    versions.check_generate(ctx, version, await_policy is None)
+    versions.check_generate(ctx, version, committed)
     ctx.policy_version = version
     tokenizer = llm.get_tokenizer()
     mine = (lambda requests: shards.take(requests, *ctx.shard)) if ctx.shard else tuple  # hpcrl.shards
@@ -304,7 +310,13 @@ def generate(ctx, llm, version: int, pool=None, await_policy: Callable[[], None]
         with ctx.timed("compute"):
             tables.append(sample(llm, list(val), 1, 0.0, 1.0, g.max_tokens, ctx.seed, k, version))
     # none only for a shard of the final iteration with no validation prompt of its own
-    rollouts = pa.concat_tables(tables) if tables else schemas.ROLLOUTS.empty_table()
+    return pa.concat_tables(tables) if tables else schemas.ROLLOUTS.empty_table()
+
+
+def write_rollouts(ctx, rollouts: pa.Table, version: int,
+                   await_policy: Callable[[], None] | None = None) -> None:
+    """Write the rollouts and their metrics, once the update that made their policy is committed
+    (`await_policy` returns then: the resident trainers commit it while the engine samples)."""
     versions.await_update(ctx, version, await_policy)
     with ctx.timed("io"):
         ctx.writer.write_table("rollouts", rollouts)
@@ -383,15 +395,3 @@ def rollout_metrics(rollouts: pa.Table, compute_s: float) -> dict[str, float]:
         finish = [f for f, k in zip(rollouts["finish_reason"].to_pylist(), kept, strict=True) if k]
         m["response_length/clip_ratio"] = finish.count("length") / len(finish)
     return m
-
-
-def sequence_logprobs(llm, sequences: list[list[int]]) -> list[list[float]]:
-    """The engine's logprobs (temperature 1) of tokens 1.. of each sequence (the weight-sync probe)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences],
-                        SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False,
-                                       flat_logprobs=True),
-                        use_tqdm=False)
-    return [token_logprobs(o.prompt_logprobs, list(s[1:])) for o, s in zip(outs, sequences, strict=True)]

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import time
 
-from hpcrl import commit, resident_sync, stage_kinds, transports, versions
+from hpcrl import agreement, commit, resident_sync, stage_kinds, transports, versions
 from hpcrl.config import Experiment
 from hpcrl.roles import ControlPlane
 from hpcrl.rundir import RunDir
@@ -89,15 +89,13 @@ class Engine:
         return {}
 
     def _sync(self, cmd: dict) -> dict:
-        from hpcrl import generation
-
         t0 = time.perf_counter()
         handoff = cmd["handoff"] or transports.Handoff(self.sync.transport).as_dict()  # a stream: no handoff
         self.gen.llm.collective_rpc("hpcrl_load_weights", args=(handoff,))
         self.gen.llm.reset_prefix_cache()
         self.gen.version, self.gen.metrics = cmd["version"], {}
         load_s = time.perf_counter() - t0
-        return {"probe": generation.sequence_logprobs(self.gen.llm, cmd["probe"]), "load_s": load_s}
+        return {"probe": agreement.engine_logprobs(self.gen.llm, cmd["probe"]), "load_s": load_s}
 
     def _generate(self, cmd: dict) -> dict:
         k, made_by = cmd["iteration"], cmd["await"]

@@ -1,8 +1,10 @@
 """Generator 0 of the resident job (hpcrl.resident): the generate and score stage objects (its
 vLLM engine, the reward workers) kept for the run, and the loop over the run's stages.
 
-It walks the plan (hpcrl.plan) and runs each stage through hpcrl.stage.run_stage; an update it
-commands to the trainers (hpcrl.resident_trainer) and goes on. With generate.engines = N it leads
+It walks the plan (hpcrl.plan) and runs each stage through hpcrl.stage; an update it commands to
+the trainers (hpcrl.resident_trainer) and goes on. A generation's writes and commit run on a
+background thread (hpcrl.resident_commits) while the engine loads the next weights and samples the
+next generation; its score starts once it is committed. With generate.engines = N it leads
 the other engines (hpcrl.resident_engines): every engine loads each version it loads, each
 generation is N shards, one per engine, merged once all are committed. With algorithm.max_staleness = s
 the generations of the next s iterations run while the trainers update: the engine loads an
@@ -17,12 +19,23 @@ from __future__ import annotations
 import collections
 import time
 
-from hpcrl import plan, resident_engines, resident_sync, stage_kinds, transports, versions, weight_sync
+from hpcrl import (
+    agreement,
+    generation,
+    plan,
+    resident_engines,
+    resident_sync,
+    stage_kinds,
+    transports,
+    versions,
+    weight_sync,
+)
 from hpcrl.config import Experiment
+from hpcrl.resident_commits import CommitsBehind
 from hpcrl.resident_scores import BesideScores
 from hpcrl.roles import ControlPlane
 from hpcrl.rundir import RunDir
-from hpcrl.stage import run_stage
+from hpcrl.stage import OpenStage, run_stage
 from hpcrl.stage_kinds import GENERATE, SCORE, UPDATE
 
 
@@ -59,9 +72,10 @@ class Generator:
         streams = transports.TRANSPORTS[self.sync.transport].streams
         self.presend = exp.algorithm.max_staleness > 0 and not streams
         self.loads = 0  # the weight sends every engine has loaded (`loaded/<n>` for trainer 0)
+        self.commits = CommitsBehind()  # each generation's writes and commit, behind the next one
         self.beside = None  # the score stages on a thread beside the generations
         if resident_sync.scores_beside(exp):
-            self.beside = BesideScores(self._score_beside, self._command_update,
+            self.beside = BesideScores(lambda k: self._score(k, beside=True), self._command_update,
                                        lambda k: plan.trains(exp, k))
 
     def drive(self) -> None:
@@ -78,14 +92,16 @@ class Generator:
                 elif self.beside is not None:
                     self.beside.submit(k)
                 else:
-                    run_stage(name, self.run.root, k, self.score.run, startup=0.0)
+                    self._score(k)
             self._collect(until=self.exp.run.iterations)
             while self.inflight:
                 self._finish_update()
             self._await_commit(*sorted(self.uncommitted))
+            self.commits.wait()
         finally:
             if self.beside is not None:
                 self.beside.close()
+            self.commits.close()
             self.score.close()
         self.fleet.wait(self.fleet.send({"op": "stop"}))
         self.plane.send({"op": "stop"})
@@ -94,13 +110,15 @@ class Generator:
         self.gen.close()
 
     def _generate(self, k: int) -> None:
-        """The generate stage of iteration k: whole on one engine, or in shards over the engines
-        (resident_engines.claim_shards; those committed by an earlier attempt are kept), merged in
-        one engine's order (hpcrl.shards)."""
+        """The generate stage of iteration k: sampled whole on one engine, or in shards over the
+        engines (resident_engines.claim_shards; those committed by an earlier attempt are kept),
+        merged in one engine's order (hpcrl.shards); the rest of the stage (its writes and commit)
+        runs behind the next one (hpcrl.resident_commits)."""
+        self.commits.check()
         kind = stage_kinds.kind(GENERATE)
         n = kind.shards(self.exp)
         if n == 1:
-            run_stage(GENERATE, self.run.root, k, self.gen.run, startup=0.0)
+            self._sample(k)
             return
         claim = f"claim/{GENERATE}/{k}"
         sent = self.fleet.send({"op": GENERATE, "iteration": k, "version": self.gen.version,
@@ -113,15 +131,32 @@ class Generator:
             merge(ctx, n)
             ctx.writer.metrics.update(sync_metrics)
 
-        run_stage(GENERATE, self.run.root, k, merged, startup=0.0)
+        attempt = OpenStage(GENERATE, self.run.root, k, startup=0.0)
+        if attempt.ctx is not None:
+            self.commits.submit(k, attempt, merged)
+
+    def _sample(self, k: int) -> None:
+        """Sample generation k on the engine, and hand the rest of its stage to the commit thread,
+        with the state of now (the loop goes on to load and sample the next)."""
+        attempt = OpenStage(GENERATE, self.run.root, k, startup=0.0)
+        if attempt.ctx is None:
+            return
+        gen, rollouts = self.gen, []
+        version, await_policy, metrics = gen.version, gen.await_policy, dict(gen.metrics)
+        attempt.run(lambda ctx: rollouts.append(
+            generation.sample_rollouts(ctx, gen.llm, version, gen.pool, await_policy is None)))
+
+        def rest(ctx) -> None:
+            generation.write_rollouts(ctx, rollouts[0], version, await_policy)
+            ctx.writer.metrics.update(metrics)
+
+        self.commits.submit(k, attempt, rest)
 
     def _start(self) -> None:
         """Before any iteration: every engine takes the weights the trainers start from (trainer 0
         sends them as after an update; no engine reads them off the shared filesystem), and each
         engine and the trainer, holding the same weights, must compute the same probe logprobs
         (hpcrl.agreement.check_start)."""
-        from hpcrl import agreement, generation
-
         if self.colocated:  # asleep while the trainers restore their state; awake for the sync
             self.llm.sleep(level=2)
         seq = self.plane.send({"op": "start", "probe": self.probe})
@@ -139,7 +174,7 @@ class Generator:
             return agreement.check_start(engine_lp, reply["logprobs"], tol, reply["attn_implementation"],
                                          f"{who}{self.exp.model.path}")
 
-        metrics = check(generation.sequence_logprobs(self.llm, self.probe))
+        metrics = check(agreement.engine_logprobs(self.llm, self.probe))
         for e, answer in enumerate(self.fleet.wait(others), 1):
             check(answer["probe"], f"engine {e}: ")
         self._loaded()
@@ -156,8 +191,8 @@ class Generator:
         self._collect()
         owned = self.beside.owns if self.beside is not None else (lambda k: False)
         return next(((k, s) for k, s in self.progress.pending()
-                     if not (s == UPDATE and k in self.started) and not (s in (SCORE, UPDATE) and owned(k))),
-                    None)
+                     if not (s == UPDATE and k in self.started) and not (s in (SCORE, UPDATE) and owned(k))
+                     and not (s == GENERATE and self.commits.handed(k))), None)
 
     def _collect(self, until: int | None = None) -> None:
         """The updates the scoring thread commanded, in flight from now on (those of the scores up
@@ -165,8 +200,11 @@ class Generator:
         for k, seq in self.beside.collect(until) if self.beside is not None else ():
             self._in_flight(k, seq)
 
-    def _score_beside(self, k: int) -> None:
-        run_stage(SCORE, self.run.root, k, self.score.run, startup=0.0, beside=True)
+    def _score(self, k: int, beside: bool = False) -> None:
+        """The score stage of iteration k, once its generation is committed (`beside`: on the
+        scoring thread)."""
+        self.commits.wait(k)
+        run_stage(SCORE, self.run.root, k, self.score.run, startup=0.0, beside=beside)
 
     def _hold(self, version: int) -> None:
         """The engine holds policy `version` for the next generation: the updates in flight up to
@@ -176,13 +214,17 @@ class Generator:
         versions.hold(version, self.base, lambda: self.gen.version, self.inflight, self._load_saved,
                       self._finish_update)
         self.made_by = versions.made_by(version, self.uncommitted)
-        self.gen.await_policy = versions.awaiting(self.made_by, self._await_commit)
+        self.gen.await_policy = versions.awaiting(self.made_by, self._committed)  # on the commit thread
 
     def _await_commit(self, *updates: int) -> None:
         """Until the trainers have committed these updates (the ones this job commanded)."""
         for k in updates:
-            self.plane.wait_signal(f"committed/{k}")
+            self._committed(k)
             self.uncommitted.discard(k)
+
+    def _committed(self, update: int) -> None:
+        """Until the trainers have committed `update` (from any thread)."""
+        self.plane.wait_signal(f"committed/{update}")
 
     def _start_update(self, k: int) -> None:
         """Command the update of iteration k; with max_staleness > 0 the next generations run while
@@ -220,10 +262,8 @@ class Generator:
         self.gen.version = k + 1
         if not resident_sync.commits_behind(self.exp, self.presend):
             self._await_commit(k)
-        from hpcrl import generation
-
         t0 = time.perf_counter()
-        engine_lp = generation.sequence_logprobs(self.llm, self.probe)
+        engine_lp = agreement.engine_logprobs(self.llm, self.probe)
         probe_s = time.perf_counter() - t0
         trainer_lp = self.plane.wait_reply(seq, part="probe")  # the trainer's, computed after its send
         metrics = {**self._check_probe(engine_lp, trainer_lp, k + 1), "sync/probe_s": probe_s}

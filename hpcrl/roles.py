@@ -127,6 +127,7 @@ class ControlPlane:
         self._beats = 0
         self._side, self._side_lock = None, threading.Lock()
         self._owner, self._send_lock = threading.get_ident(), threading.Lock()
+        self._local = threading.local()  # each other thread's connection for its waits (`_here`)
         self._monitor_thread: threading.Thread | None = None
 
     # -- signed values ------------------------------------------------------------------------
@@ -212,6 +213,15 @@ class ControlPlane:
                 self._side = self._connect(timedelta(seconds=30))
             return self._side
 
+    def _here(self):
+        """The connection the calling thread waits on: the main one in the thread that made this
+        plane, a connection of its own in any other (a blocking wait holds its connection)."""
+        if threading.get_ident() == self._owner:
+            return self.store
+        if getattr(self._local, "store", None) is None:
+            self._local.store = self._connect(timedelta(seconds=self.timeout_s))
+        return self._local.store
+
     def _monitor(self) -> None:
         store = self._connect(timedelta(seconds=STORE_CALL_S))  # the main thread may wait on self.store
         seen: dict[int, tuple[int, float]] = {}
@@ -249,15 +259,15 @@ class ControlPlane:
     def wait_for(self, key: str):
         """The key's signed value once set (an unsigned one is reported and waited past). A failed
         or dead peer ends this process through the monitor; the timeout bounds a wait on a peer
-        that is alive but stuck."""
-        deadline, warned = time.monotonic() + self.timeout_s, False
+        that is alive but stuck. Safe from any thread (`_here`)."""
+        deadline, warned, store = time.monotonic() + self.timeout_s, False, self._here()
         while True:
             try:
-                self.store.wait([key], timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+                store.wait([key], timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
             except RuntimeError as err:
                 timed_out = self._timed_out(f"nothing came on {key}")
-                raise RoleFailedError(self.failure() or timed_out) from err
-            if (value := self.get(self.store, key)) is not None:
+                raise RoleFailedError(self._failure(store) or timed_out) from err
+            if (value := self.get(store, key)) is not None:
                 return value
             if not warned:
                 print(f"[resident] {self.layout.name(self.rank)}: ignored a value of {key} without this "

@@ -54,7 +54,7 @@ def test_an_engine_started_empty_takes_the_trainers_weights_and_a_skipped_sync_i
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from hpcrl import checkpoint_view, generation, resident_sync, transports
+    from hpcrl import agreement, checkpoint_view, generation, resident_sync, transports
     from hpcrl.distributed import free_port
 
     exp = config.load(write_experiment())
@@ -71,7 +71,7 @@ def test_an_engine_started_empty_takes_the_trainers_weights_and_a_skipped_sync_i
     old, new = _hf_logprobs(base, probe), _hf_logprobs(trained, probe)
     assert gen.version is None
     with pytest.raises(WeightSyncError, match="holds neither the new weights nor the previous ones"):
-        check_probe(generation.sequence_logprobs(llm, probe), old, new, 1e-4, version=0)
+        check_probe(agreement.engine_logprobs(llm, probe), old, new, 1e-4, version=0)
 
     # Sync over a gloo group: trainer side in a thread, vLLM's worker extension on the other end.
     port = free_port()
@@ -94,7 +94,7 @@ def test_an_engine_started_empty_takes_the_trainers_weights_and_a_skipped_sync_i
     thread.start()
     assert llm.collective_rpc("hpcrl_open_sync", args=(setup.as_dict(), 0)) == [1]
     received = [load()]
-    started = generation.sequence_logprobs(llm, probe)
+    started = agreement.engine_logprobs(llm, probe)
     assert check_probe(started, old, new, 1e-4, version=0)["sync/logp_diff"] < 1e-4
 
     # No sync of the update: the engine still has the starting weights, and the probe check says so.
@@ -104,7 +104,7 @@ def test_an_engine_started_empty_takes_the_trainers_weights_and_a_skipped_sync_i
     thread.join(timeout=60)
     assert received == sent and sent[0] > 0
 
-    after = generation.sequence_logprobs(llm, probe)
+    after = agreement.engine_logprobs(llm, probe)
     metrics = check_probe(after, new, old, 1e-4, version=1)
     assert metrics["sync/logp_diff"] < 1e-4 < metrics["sync/update_shift"]
     # Parameters vLLM keeps in checkpoint layout arrive bit-identical (its vocabulary rows are padded).
@@ -116,7 +116,7 @@ def test_an_engine_started_empty_takes_the_trainers_weights_and_a_skipped_sync_i
     # an engine of this process that is closed takes vLLM's process-wide state with it: started last).
     trained.save_pretrained(tmp_path / "trained")
     fresh = generation.make_engine(exp, tmp_path / "trained", 0)
-    assert generation.sequence_logprobs(fresh, probe) == after
+    assert agreement.engine_logprobs(fresh, probe) == after
 
 
 def test_check_probe_thresholds():
@@ -298,6 +298,40 @@ def _inside(thread: threading.Thread, function: str) -> bool:
     return frame is not None
 
 
+def _owner_waiting(plane) -> threading.Thread:
+    """A thread made the plane's owner (as the trainer's main thread is), blocked in `receive` on
+    the main connection until cmd/trainers/1 is set."""
+    def wait() -> None:
+        plane._owner = threading.get_ident()
+        plane.receive()
+
+    waiting = threading.Thread(target=wait, daemon=True)
+    waiting.start()
+    return waiting
+
+
+def test_another_thread_waits_on_a_connection_of_its_own_while_the_main_one_waits():
+    """The generator's commit thread waits for the trainers' commit signal while its main thread
+    is blocked on the store. Pins: every thread's wait on the main connection (the second waits
+    behind the first, or garbles it)."""
+    from hpcrl.distributed import free_port
+    from hpcrl.roles import ControlPlane, Layout
+
+    plane = ControlPlane("127.0.0.1", free_port(), 0, Layout(1), timeout_s=60)
+    waiting = _owner_waiting(plane)
+    while not _inside(waiting, "wait_for"):
+        time.sleep(0.01)
+    time.sleep(0.2)  # into the store's wait
+    other = threading.Thread(target=plane.wait_signal, args=("committed/3",), daemon=True)
+    other.start()
+    plane.signal("committed/3")
+    other.join(timeout=50)
+    assert not other.is_alive() and waiting.is_alive()
+    plane.put(plane._connect(timedelta(seconds=10)), "cmd/trainers/1", {"op": "stop"})
+    waiting.join(timeout=10)
+    assert not waiting.is_alive()
+
+
 def test_signals_and_the_failure_flag_get_through_while_the_main_connection_waits():
     """The trainer's commit thread signals the generator, or raises the failure flag, while the
     trainer's main thread is blocked waiting for the next command on the store. Pins: signal()
@@ -306,8 +340,7 @@ def test_signals_and_the_failure_flag_get_through_while_the_main_connection_wait
     from hpcrl.roles import ControlPlane, Layout
 
     plane = ControlPlane("127.0.0.1", free_port(), 0, Layout(1), timeout_s=60)
-    waiting = threading.Thread(target=plane.receive, daemon=True)  # blocks on cmd/1 until the test sets it
-    waiting.start()
+    waiting = _owner_waiting(plane)
     while not _inside(waiting, "wait_for"):
         time.sleep(0.01)
     # into the store's wait (a C call, not visible from here): a slow thread can hide the bug, never fail

@@ -25,7 +25,8 @@ A second table splits the generator's allocated time per iteration: busy (sampli
 waiting for trainer 0's weights (sync/wait_s), loading them into vLLM (sync/load_s), the probe
 (sync/probe_s), the score stage beyond its rewards' compute (reading the rollouts, writing and
 committing the scores; none when the scores run beside the generations, on a thread whose time
-is the generation's), and the rest (the generation's writes and commit, the loop between stages);
+is the generation's), and the rest (the loop between stages, and what of the generation's writes and
+commit, on a thread behind the next one, holds up its core);
 beside them, the trainer's busy time per iteration (its update's compute). An iteration takes at
 least the generator's floor, busy + load + probe (all on its device, between two generations), and
 at least the trainer's busy time, which bounds the mean utilisation by
