@@ -66,6 +66,7 @@ class CommitsBehind:
                 future.result()
                 del self._pending[k]
 
-    def close(self) -> None:
-        """Wait for the commit under way (if any); drop those not started."""
-        self._thread.shutdown(wait=True, cancel_futures=True)
+    def close(self, wait: bool = True) -> None:
+        """Wait for the commit under way (if any) to end, unless not `wait` (after an error: it may
+        wait on the trainers' commit, which the failure flag stops); drop those not started."""
+        self._thread.shutdown(wait=wait, cancel_futures=True)

@@ -79,6 +79,7 @@ class Generator:
                                        lambda k: plan.trains(exp, k))
 
     def drive(self) -> None:
+        ended = False
         try:
             self._start()
             while (nxt := self._next_stage()) is not None:
@@ -98,10 +99,11 @@ class Generator:
                 self._finish_update()
             self._await_commit(*sorted(self.uncommitted))
             self.commits.wait()
-        finally:
+            ended = True
+        finally:  # after an error, the threads are not waited for (resident.py raises the failure flag)
             if self.beside is not None:
-                self.beside.close()
-            self.commits.close()
+                self.beside.close(wait=ended)
+            self.commits.close(wait=ended)
             self.score.close()
         self.fleet.wait(self.fleet.send({"op": "stop"}))
         self.plane.send({"op": "stop"})

@@ -64,6 +64,7 @@ class BesideScores:
             out.append(self._commanded.get())
         return out
 
-    def close(self) -> None:
-        """Wait for the score on the thread (if any) to end; drop those not started."""
-        self._thread.shutdown(wait=True, cancel_futures=True)
+    def close(self, wait: bool = True) -> None:
+        """Wait for the score on the thread (if any) to end, unless not `wait` (after an error: it
+        may wait on the trainers, whom the failure flag stops); drop those not started."""
+        self._thread.shutdown(wait=wait, cancel_futures=True)

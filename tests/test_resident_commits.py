@@ -73,3 +73,17 @@ def test_after_a_failed_commit_none_commits_and_the_failure_reaches_the_caller(r
     assert [k for k, _ in events] == [0, 1]  # generation 2's writes never ran
     for k in (1, 2):
         OpenStage("generate", run.root, k, startup=0.0).close()  # their locks were released
+
+
+def test_after_an_error_closing_does_not_wait_for_a_commit_that_waits_on_the_trainers(run):
+    """pins: the generator's error path blocked on a commit thread that waits for the trainers'
+    commit signal, which may never come (the trainer waits for the generator): the job would hang
+    instead of raising its failure flag. Closed normally, it waits."""
+    commits, events, gate = CommitsBehind(), [], threading.Event()
+    commits.submit(0, OpenStage("generate", run.root, 0, startup=0.0), _writes(0, events, gate))
+    commits.submit(1, OpenStage("generate", run.root, 1, startup=0.0), _writes(1, events))
+    commits.close(wait=False)  # returns with generation 0 held at its gate
+    assert events == []
+    gate.set()
+    commits.close()
+    assert events == [(0, "hpcrl-commit_0")]  # generation 1 was dropped, not started

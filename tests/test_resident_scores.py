@@ -127,3 +127,19 @@ def test_commands_sent_from_two_threads_keep_distinct_numbers_in_order():
     got = [trainer.receive() for _ in range(80)]
     for who in ("main", "thread"):  # each thread's commands arrive in the order it sent them
         assert [c["i"] for c in got if c["who"] == who] == list(range(40))
+
+
+def test_after_an_error_closing_does_not_wait_for_the_running_score():
+    """pins: the generator's error path blocked on a score that waits for its generation's commit,
+    which waits on the trainers (hpcrl.resident_commits): the job would hang instead of raising its
+    failure flag."""
+    rec = Recorder()
+    rec.gates[0] = threading.Event()
+    beside = rec.scores()
+    beside.submit(0)
+    beside.submit(1)
+    beside.close(wait=False)  # score 0 still held at its gate
+    assert rec.events == []
+    rec.gates[0].set()
+    beside.close()
+    assert [e[:2] for e in rec.events] == [("score", 0), ("update", 0)]  # score 1 dropped, not started
