@@ -89,17 +89,3 @@ def check_sampler(metrics: dict[str, float], tol: float, iteration: int) -> None
         f"{metrics['rollout/sampler_kl']:.2e}), above update.sampler_mismatch_tol = {tol:.0e}: the "
         f"trainer does not compute the model that generated the batch; the update is not committed. "
         f"Check {HINT}")
-
-
-def engine_logprobs(llm, sequences: list[list[int]]) -> list[list[float]]:
-    """vLLM's logprobs (temperature 1) of tokens 1.. of each sequence: the engine's side of the probe."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from hpcrl.generation import token_logprobs
-
-    outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences],
-                        SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False,
-                                       flat_logprobs=True),
-                        use_tqdm=False)
-    return [token_logprobs(o.prompt_logprobs, list(s[1:])) for o, s in zip(outs, sequences, strict=True)]

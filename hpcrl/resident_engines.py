@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import time
 
-from hpcrl import agreement, commit, resident_sync, stage_kinds, transports, versions
+from hpcrl import commit, resident_sync, stage_kinds, transports, versions
 from hpcrl.config import Experiment
 from hpcrl.roles import ControlPlane
 from hpcrl.rundir import RunDir
@@ -95,7 +95,7 @@ class Engine:
         self.gen.llm.reset_prefix_cache()
         self.gen.version, self.gen.metrics = cmd["version"], {}
         load_s = time.perf_counter() - t0
-        return {"probe": agreement.engine_logprobs(self.gen.llm, cmd["probe"]), "load_s": load_s}
+        return {"probe": resident_sync.engine_logprobs(self.gen.llm, cmd["probe"]), "load_s": load_s}
 
     def _generate(self, cmd: dict) -> dict:
         k, made_by = cmd["iteration"], cmd["await"]

@@ -176,7 +176,7 @@ class Generator:
             return agreement.check_start(engine_lp, reply["logprobs"], tol, reply["attn_implementation"],
                                          f"{who}{self.exp.model.path}")
 
-        metrics = check(agreement.engine_logprobs(self.llm, self.probe))
+        metrics = check(resident_sync.engine_logprobs(self.llm, self.probe))
         for e, answer in enumerate(self.fleet.wait(others), 1):
             check(answer["probe"], f"engine {e}: ")
         self._loaded()
@@ -265,7 +265,7 @@ class Generator:
         if not resident_sync.commits_behind(self.exp, self.presend):
             self._await_commit(k)
         t0 = time.perf_counter()
-        engine_lp = agreement.engine_logprobs(self.llm, self.probe)
+        engine_lp = resident_sync.engine_logprobs(self.llm, self.probe)
         probe_s = time.perf_counter() - t0
         trainer_lp = self.plane.wait_reply(seq, part="probe")  # the trainer's, computed after its send
         metrics = {**self._check_probe(engine_lp, trainer_lp, k + 1), "sync/probe_s": probe_s}

@@ -50,6 +50,20 @@ def probe_sequences(exp: Experiment, tokenizer) -> list[list[int]]:
     return out
 
 
+def engine_logprobs(llm, sequences: list[list[int]]) -> list[list[float]]:
+    """vLLM's logprobs (temperature 1) of tokens 1.. of each sequence: the engine's side of the probe."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from hpcrl.generation import token_logprobs
+
+    outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences],
+                        SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False,
+                                       flat_logprobs=True),
+                        use_tqdm=False)
+    return [token_logprobs(o.prompt_logprobs, list(s[1:])) for o, s in zip(outs, sequences, strict=True)]
+
+
 def sync_setup(exp: Experiment, run: RunDir, plane: ControlPlane, me: str) -> transports.SyncSetup:
     """The weight sync every end agrees on (hpcrl.transports), from where trainer 0 and each engine
     run; `me` is "trainer0" or "engine<e>"."""

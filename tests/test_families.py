@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl import agreement, checkpoint_view, policy_model, vllm_ext
+from hpcrl import agreement, checkpoint_view, policy_model, resident_sync, vllm_ext
 from tests.conftest import load_tool
 
 tiny_models = load_tool("tiny_models")
@@ -97,15 +97,15 @@ def test_vllm_computes_the_trainers_model_after_a_sync(family, family_dir, write
     exp = config.load(write_experiment(model={"path": str(path), "max_model_len": 64}))
     llm = generation.make_engine(exp, path, 0, worker_extension_cls="hpcrl.vllm_ext.WeightReceiver")
     base = policy_model.load_causal_lm(path, torch.float32)
-    start = abs(torch.tensor(_flat(agreement.engine_logprobs(llm, PROBE)))
+    start = abs(torch.tensor(_flat(resident_sync.engine_logprobs(llm, PROBE)))
                 - torch.tensor(_flat(_probe(base, PROBE)))).mean().item()
     assert start < 1e-5, f"{family}: vLLM and the trainer differ by {start:.2e} before any sync"
     if family == "gemma2":  # a trainer without soft-capping is another model, and is refused
         sdpa = policy_model.load_causal_lm(path, torch.float32, "sdpa")
         with pytest.raises(agreement.ModelMismatchError, match=r"differ from the trainer's by \S+ on average "
                            r"\(largest \S+\), above the tolerance 1e-04.*'sdpa'"):
-            agreement.check_start(agreement.engine_logprobs(llm, PROBE), _probe(sdpa, PROBE), 1e-4, "sdpa",
-                                  str(path))
+            agreement.check_start(resident_sync.engine_logprobs(llm, PROBE), _probe(sdpa, PROBE), 1e-4,
+                                  "sdpa", str(path))
     trained = _moved(path)
     setup = transports.SyncSetup("shared_memory")
     sender = transports.make(setup)
@@ -121,14 +121,14 @@ def test_vllm_computes_the_trainers_model_after_a_sync(family, family_dir, write
     # nothing on every sync for the layers no checkpoint holds (a tied head, the rotary cache)
     assert not [r.getMessage() for r in warned.records if r.levelno >= logging.WARNING], family
     llm.reset_prefix_cache()
-    synced = agreement.engine_logprobs(llm, PROBE)
+    synced = resident_sync.engine_logprobs(llm, PROBE)
     metrics = check_probe(synced, _probe(trained, PROBE), _probe(base, PROBE), 1e-5, version=1)
     assert metrics["sync/logp_diff"] < 1e-5 < metrics["sync/update_shift"], (family, metrics)
     # trainer 0 rewrites the buffer while the engine samples (presend: hpcrl.resident_trainer), so
     # the engine must hold copies of what it loaded, no view of the buffer
     sender.sync.buffer.fill_(0xFF)  # every float a NaN
     llm.reset_prefix_cache()
-    assert agreement.engine_logprobs(llm, PROBE) == synced, f"{family}: vLLM reads the buffer it loaded"
+    assert resident_sync.engine_logprobs(llm, PROBE) == synced, f"{family}: vLLM reads the buffer it loaded"
 
 
 class _Records(logging.Handler):
@@ -183,6 +183,6 @@ def test_tensor_parallel_workers_each_load_their_shard_of_the_sync(family_dir, w
     llm.reset_prefix_cache()
     got = llm.collective_rpc(_digests)
     assert len(got) == 2 and got == expected
-    diff = abs(torch.tensor(_flat(agreement.engine_logprobs(llm, PROBE)))
+    diff = abs(torch.tensor(_flat(resident_sync.engine_logprobs(llm, PROBE)))
                - torch.tensor(_flat(_probe(trained, PROBE)))).mean().item()
     assert diff < 1e-5

@@ -54,7 +54,7 @@ def test_an_engine_started_empty_takes_the_trainers_weights_and_a_skipped_sync_i
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from hpcrl import agreement, checkpoint_view, generation, resident_sync, transports
+    from hpcrl import checkpoint_view, generation, resident_sync, transports
     from hpcrl.distributed import free_port
 
     exp = config.load(write_experiment())
@@ -71,7 +71,7 @@ def test_an_engine_started_empty_takes_the_trainers_weights_and_a_skipped_sync_i
     old, new = _hf_logprobs(base, probe), _hf_logprobs(trained, probe)
     assert gen.version is None
     with pytest.raises(WeightSyncError, match="holds neither the new weights nor the previous ones"):
-        check_probe(agreement.engine_logprobs(llm, probe), old, new, 1e-4, version=0)
+        check_probe(resident_sync.engine_logprobs(llm, probe), old, new, 1e-4, version=0)
 
     # Sync over a gloo group: trainer side in a thread, vLLM's worker extension on the other end.
     port = free_port()
@@ -94,7 +94,7 @@ def test_an_engine_started_empty_takes_the_trainers_weights_and_a_skipped_sync_i
     thread.start()
     assert llm.collective_rpc("hpcrl_open_sync", args=(setup.as_dict(), 0)) == [1]
     received = [load()]
-    started = agreement.engine_logprobs(llm, probe)
+    started = resident_sync.engine_logprobs(llm, probe)
     assert check_probe(started, old, new, 1e-4, version=0)["sync/logp_diff"] < 1e-4
 
     # No sync of the update: the engine still has the starting weights, and the probe check says so.
@@ -104,7 +104,7 @@ def test_an_engine_started_empty_takes_the_trainers_weights_and_a_skipped_sync_i
     thread.join(timeout=60)
     assert received == sent and sent[0] > 0
 
-    after = agreement.engine_logprobs(llm, probe)
+    after = resident_sync.engine_logprobs(llm, probe)
     metrics = check_probe(after, new, old, 1e-4, version=1)
     assert metrics["sync/logp_diff"] < 1e-4 < metrics["sync/update_shift"]
     # Parameters vLLM keeps in checkpoint layout arrive bit-identical (its vocabulary rows are padded).
@@ -116,7 +116,7 @@ def test_an_engine_started_empty_takes_the_trainers_weights_and_a_skipped_sync_i
     # an engine of this process that is closed takes vLLM's process-wide state with it: started last).
     trained.save_pretrained(tmp_path / "trained")
     fresh = generation.make_engine(exp, tmp_path / "trained", 0)
-    assert agreement.engine_logprobs(fresh, probe) == after
+    assert resident_sync.engine_logprobs(fresh, probe) == after
 
 
 def test_check_probe_thresholds():

@@ -54,7 +54,7 @@ def measure(model: Path, dtype: str) -> dict:
     """The trainer-vLLM probe difference for `model` in `dtype`, and the shift of a small update."""
     import torch
 
-    from hpcrl import agreement, generation, policy_model, resident_sync
+    from hpcrl import generation, policy_model, resident_sync
 
     with tempfile.TemporaryDirectory() as tmp:
         exp = experiment(model, dtype, Path(tmp))
@@ -65,7 +65,7 @@ def measure(model: Path, dtype: str) -> dict:
         probe = resident_sync.probe_sequences(exp, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         ours = policy_model.sequence_logprobs(trainer, probe, pad, "cpu")
-        theirs = agreement.engine_logprobs(llm, probe)
+        theirs = resident_sync.engine_logprobs(llm, probe)
         diff = _diffs(ours, theirs)
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():  # a small update: every weight moved by 1e-3 of its scale
