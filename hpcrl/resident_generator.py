@@ -216,17 +216,14 @@ class Generator:
         versions.hold(version, self.base, lambda: self.gen.version, self.inflight, self._load_saved,
                       self._finish_update)
         self.made_by = versions.made_by(version, self.uncommitted)
-        self.gen.await_policy = versions.awaiting(self.made_by, self._committed)  # on the commit thread
+        self.gen.await_policy = versions.awaiting(self.made_by, self._await_commit)  # on the commit thread
 
     def _await_commit(self, *updates: int) -> None:
-        """Until the trainers have committed these updates (the ones this job commanded)."""
+        """Until the trainers have committed these updates (the ones this job commanded); from
+        either thread (the commit thread's discard is one atomic set operation)."""
         for k in updates:
-            self._committed(k)
+            self.plane.wait_signal(f"committed/{k}")
             self.uncommitted.discard(k)
-
-    def _committed(self, update: int) -> None:
-        """Until the trainers have committed `update` (from any thread)."""
-        self.plane.wait_signal(f"committed/{update}")
 
     def _start_update(self, k: int) -> None:
         """Command the update of iteration k; with max_staleness > 0 the next generations run while

@@ -39,16 +39,17 @@ def test_a_generation_commits_behind_the_caller_in_order_and_a_wait_returns_once
     """pins: a commit on the caller's thread (the engine would wait for the writes), commits out of
     the order handed over, or a wait that returns before the generation is committed (its score
     would read an uncommitted input)."""
-    commits, events, gate = CommitsBehind(), [], threading.Event()
+    commits, events, gates = CommitsBehind(), [], {0: threading.Event(), 2: threading.Event()}
     for k in range(3):
-        attempt = OpenStage("generate", run.root, k, startup=0.0)
-        commits.submit(k, attempt, _writes(k, events, gate if k == 0 else None))
+        commits.submit(k, OpenStage("generate", run.root, k, startup=0.0), _writes(k, events, gates.get(k)))
     assert all(commits.handed(k) for k in range(3)) and not commits.handed(3)
     assert not any(commit.is_committed(run.stage_dir(k, "generate")) for k in range(3))  # held at the gate
-    gate.set()
+    gates[0].set()
     commits.wait(1)
     assert commit.is_committed(run.stage_dir(1, "generate"))
-    commits.wait()
+    threading.Timer(0.3, gates[2].set).start()
+    commits.wait()  # every one: generation 2 too, once released
+    assert commit.is_committed(run.stage_dir(2, "generate"))
     commits.close()
     assert events == [(0, "hpcrl-commit_0"), (1, "hpcrl-commit_0"), (2, "hpcrl-commit_0")]
     assert commit.read_manifest(run.stage_dir(2, "generate"))["metrics"]["k"] == 2.0

@@ -197,8 +197,9 @@ def test_the_resident_generator_holds_the_version_and_awaits_its_update():
 def test_the_resident_generator_leaves_a_handed_over_score_and_its_update_to_the_scoring_thread():
     """hpcrl.resident_generator.Generator with scores beside its generations (hpcrl.resident_scores):
     its next stage skips the score it handed over and that score's update (pins commanding it
-    twice), and holding the version that update makes waits for the thread to command it (pins a
-    hold that finds no update in flight and fails)."""
+    twice) and a generation whose commit it handed to its commit thread (pins sampling it twice;
+    hpcrl.resident_commits), and holding the version that update makes waits for the thread to
+    command it (pins a hold that finds no update in flight and fails)."""
     import threading
 
     from hpcrl.resident_generator import Generator
@@ -211,8 +212,11 @@ def test_the_resident_generator_leaves_a_handed_over_score_and_its_update_to_the
     g.beside = BesideScores(lambda k: release.wait(10), lambda k: 40 + k, lambda k: True)
     g.progress = SimpleNamespace(pending=lambda: [(0, "score"), (0, "update"), (1, "generate"), (1, "score")])
     g._finish_update = lambda: (g.inflight.popleft(), setattr(g.gen, "version", 1))
+    g.commits = SimpleNamespace(handed=lambda k: False)
     g.beside.submit(0)
     assert g._next_stage() == (1, "generate")
+    g.commits = SimpleNamespace(handed=lambda k: k == 1)  # sampled; its writes and commit on the thread
+    assert g._next_stage() == (1, "score")
     threading.Timer(0.2, release.set).start()
     g._hold(1)  # version 1: update 0's, commanded by the thread once score 0 is done
     assert (g.gen.version, g.started, g.uncommitted, g.made_by) == (1, {0}, {0}, 0)
