@@ -254,19 +254,12 @@ def _request(split: str, i: int, prompts: pa.Table, tokenizer) -> Request:
                    data.render(tokenizer, prompts["prompt"][i].as_py()), prompts["ground_truth"][i].as_py())
 
 
-def generate(ctx, llm, version: int, pool=None, await_policy: Callable[[], None] | None = None) -> None:
-    """The generate stage of ctx.iteration with `llm` holding policy `version`: rollouts + metrics
-    (`sample_rollouts`, then `write_rollouts`)."""
-    write_rollouts(ctx, sample_rollouts(ctx, llm, version, pool, await_policy is None), version, await_policy)
-
-
 def sample_rollouts(ctx, llm, version: int, pool=None, committed: bool = True) -> pa.Table:
     """The rollouts of ctx.iteration, sampled by `llm` holding policy `version` (`committed`: the
-    update that made it is, hpcrl.versions.check_generate).
-
-    With algorithm.dynamic_sampling, training prompts are sampled in rounds and scored here to
-    choose the update batch (hpcrl/dynamic_sampling.py); the reward functions run on `pool` (the
-    resident mode's reward workers) when given."""
+    update that made it is, hpcrl.versions.check_generate). With algorithm.dynamic_sampling,
+    training prompts are sampled in rounds and scored here to choose the update batch
+    (hpcrl/dynamic_sampling.py); the reward functions run on `pool` (the resident mode's reward
+    workers) when given."""
     exp, k = ctx.exp, ctx.iteration
     versions.check_generate(ctx, version, committed)
     ctx.policy_version = version
@@ -338,10 +331,9 @@ def merge_shards(ctx, shards_n: int) -> None:
 
 class GenerateStage(Stage):
     """The generate stage: a vLLM engine over the current policy, sampling the iteration's prompts.
-
-    In the resident mode the engine stays up for the run (with the weight receiver of
-    hpcrl.vllm_ext) and the loop sets, before each run, `pool` (the reward workers, for dynamic
-    sampling), `await_policy` (see `generate`) and `metrics` (the last weight sync's)."""
+    In the resident mode it stays up for the run (with hpcrl.vllm_ext's weight receiver), and the
+    loop sets before each run `pool` (the reward workers, for dynamic sampling), `await_policy`
+    (see `write_rollouts`) and `metrics` (the last weight sync's)."""
 
     name = GENERATE
 
@@ -379,8 +371,19 @@ class GenerateStage(Stage):
         self.version = None
 
     def run(self, ctx: StageContext) -> None:
-        generate(ctx, self.llm, self.version, self.pool, self.await_policy)
-        ctx.writer.metrics.update(self.metrics)
+        self.sample(ctx)(ctx)
+
+    def sample(self, ctx: StageContext) -> Callable[[StageContext], None]:
+        """Sample ctx.iteration's rollouts; returns the rest of the stage (the writes), bound to the
+        state of now: the resident generator runs it behind the next generation (resident_commits)."""
+        version, await_policy, metrics = self.version, self.await_policy, dict(self.metrics)
+        rollouts = sample_rollouts(ctx, self.llm, version, self.pool, await_policy is None)
+
+        def rest(ctx: StageContext) -> None:
+            write_rollouts(ctx, rollouts, version, await_policy)
+            ctx.writer.metrics.update(metrics)
+
+        return rest
 
 
 def rollout_metrics(rollouts: pa.Table, compute_s: float) -> dict[str, float]:

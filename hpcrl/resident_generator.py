@@ -21,7 +21,6 @@ import time
 
 from hpcrl import (
     agreement,
-    generation,
     plan,
     resident_engines,
     resident_sync,
@@ -143,16 +142,9 @@ class Generator:
         attempt = OpenStage(GENERATE, self.run.root, k, startup=0.0)
         if attempt.ctx is None:
             return
-        gen, rollouts = self.gen, []
-        version, await_policy, metrics = gen.version, gen.await_policy, dict(gen.metrics)
-        attempt.run(lambda ctx: rollouts.append(
-            generation.sample_rollouts(ctx, gen.llm, version, gen.pool, await_policy is None)))
-
-        def rest(ctx) -> None:
-            generation.write_rollouts(ctx, rollouts[0], version, await_policy)
-            ctx.writer.metrics.update(metrics)
-
-        self.commits.submit(k, attempt, rest)
+        rest = []
+        attempt.run(lambda ctx: rest.append(self.gen.sample(ctx)))
+        self.commits.submit(k, attempt, rest[0])
 
     def _start(self) -> None:
         """Before any iteration: every engine takes the weights the trainers start from (trainer 0
