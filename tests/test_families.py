@@ -115,11 +115,12 @@ def test_vllm_computes_the_trainers_model_after_a_sync(family, family_dir, write
     warned = _Records()
     logging.getLogger(vllm_ext.RELOAD_LOGGER).addHandler(warned)
     try:
-        llm.collective_rpc("hpcrl_load_weights", args=(handoff.as_dict(),))
+        loads = llm.collective_rpc("hpcrl_load_weights", args=(handoff.as_dict(),))
     finally:
         logging.getLogger(vllm_ext.RELOAD_LOGGER).removeHandler(warned)
     # nothing on every sync for the layers no checkpoint holds (a tied head, the rotary cache)
     assert not [r.getMessage() for r in warned.records if r.levelno >= logging.WARNING], family
+    assert [load["direct"] for load in loads] == [True], family  # CPU, unquantized: hpcrl.vllm_ext.DirectLoad
     llm.reset_prefix_cache()
     synced = resident_sync.engine_logprobs(llm, PROBE)
     metrics = check_probe(synced, _probe(trained, PROBE), _probe(base, PROBE), 1e-5, version=1)
@@ -144,12 +145,13 @@ def _flat(rows: list[list[float]]) -> list[float]:
     return [x for r in rows for x in r]
 
 
-def _digests(worker) -> dict[str, str]:
-    """Run in each vLLM worker: a hash of every parameter it holds (its shard)."""
+def _digests(worker) -> dict[str, tuple[int, str]]:
+    """Run in each vLLM worker: the size and a hash of every parameter it holds (its shard)."""
     import hashlib
 
-    return {name: hashlib.sha256(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-            .hexdigest() for name, p in worker.model_runner.get_model().named_parameters()}
+    return {name: (p.numel(), hashlib.sha256(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+                                             .tobytes()).hexdigest())
+            for name, p in worker.model_runner.get_model().named_parameters()}
 
 
 def test_tensor_parallel_workers_each_load_their_shard_of_the_sync(family_dir, write_experiment, tmp_path,
@@ -171,8 +173,15 @@ def test_tensor_parallel_workers_each_load_their_shard_of_the_sync(family_dir, w
     for f in ("tokenizer.json", "tokenizer_config.json"):
         if (path / f).exists():
             (tmp_path / "trained" / f).write_bytes((path / f).read_bytes())
-    fresh = generation.make_engine(exp, tmp_path / "trained", 0)
+    # an engine started from the updated checkpoint, holding its linear weights unpacked as well
+    # (hpcrl.vllm_ext.DirectLoad) once it loaded that checkpoint again
+    fresh = generation.make_engine(exp, tmp_path / "trained", 0,
+                                   worker_extension_cls="hpcrl.vllm_ext.WeightReceiver")
+    fresh.collective_rpc("hpcrl_open_sync", args=(transports.SyncSetup("shared_memory", tp=2).as_dict(), 0))
+    saved = transports.Handoff("saved", path=str(tmp_path / "trained"))
+    fresh.collective_rpc("hpcrl_load_weights", args=(saved.as_dict(),))
     expected = fresh.collective_rpc(_digests)
+    assert all(size for shard in expected for size, _ in shard.values())  # no weight dropped
     fresh.llm_engine.engine_core.shutdown()  # its workers end (they hold both cores)
     llm = generation.make_engine(exp, path, 0, worker_extension_cls="hpcrl.vllm_ext.WeightReceiver")
     setup = transports.SyncSetup("shared_memory", tp=2)

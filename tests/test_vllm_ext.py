@@ -48,3 +48,56 @@ def test_the_filter_drops_the_reload_warning_of_quiet_layers_only():
     assert not keep.filter(_record("Rotary")) and not keep.filter(_record("Head"))
     assert keep.filter(_record("Linear"))  # a layer that should have loaded: still logged
     assert keep.filter(_record("Rotary", "%s: Delayed processing"))  # another message of a quiet layer
+
+
+class Method:  # a layer's quant_method: vLLM matches them by class name
+    pass
+
+
+def _gemm(n: int, k: int, method: str = "UnquantizedLinearMethod") -> torch.nn.Linear:
+    layer = torch.nn.Linear(k, n, bias=False)
+    layer.quant_method = type(method, (Method,), {})()
+    layer.cpu_linear = torch.nn.functional.linear  # as vLLM's CPU GEMM dispatch leaves it
+    return layer
+
+
+def test_a_direct_load_applies_only_to_unquantized_layers_whose_weight_vllm_kept_or_recorded():
+    model = torch.nn.Sequential(_gemm(4, 4), _gemm(4, 4, "UnquantizedEmbeddingMethod"))
+    assert vllm_ext.DirectLoad.of(model, None).gemms == list(model)
+    assert vllm_ext.DirectLoad.of(model, "fp8") is None  # a quantized model: the layer-wise reload
+    assert vllm_ext.DirectLoad.of(torch.nn.Sequential(_gemm(4, 4, "Fp8LinearMethod")), None) is None
+    dropped = _gemm(4, 4)
+    dropped.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # packed, with nothing recorded
+    assert vllm_ext.DirectLoad.of(torch.nn.Sequential(dropped), None) is None
+
+
+class Loaded(torch.nn.Module):
+    """A model whose `load_weights` writes the named weights only, as vLLM's does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = _gemm(4, 4), _gemm(4, 4), _gemm(4, 4)
+        self.head.weight = self.a.weight  # tied
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            params[name].data.copy_(tensor)
+        return {name for name, _ in weights}
+
+
+def test_a_direct_load_packs_again_exactly_the_layers_it_wrote(monkeypatch):
+    """A sync may carry part of the weights (LoRA adapters' layers); a layer it did not write keeps
+    its packed weight: packing it again would pack what it holds unpacked (experts: twice)."""
+    from vllm.model_executor.layers import utils
+
+    packed = []
+    monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm",
+                        lambda layer, remove_weight: packed.append(layer))
+    model = Loaded()
+    load = vllm_ext.DirectLoad.of(model, None)
+    load(model, [("a.weight", torch.ones(4, 4))])
+    assert packed == [model.a, model.head] and torch.equal(model.head.weight, torch.ones(4, 4))
+    packed.clear()
+    load(model, [("b.weight", torch.ones(4, 4))])
+    assert packed == [model.b]
