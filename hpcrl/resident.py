@@ -27,6 +27,7 @@ stage whose input is not committed.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 import traceback
@@ -68,15 +69,17 @@ class ResidentCall(submitit.helpers.Checkpointable):
             if role == "trainer":
                 from hpcrl.resident_trainer import Trainer
 
-                Trainer(run, exp, plane, role_rank).serve()
+                task = Trainer(run, exp, plane, role_rank).serve
             elif role_rank == 0:
                 from hpcrl.resident_generator import Generator
 
-                Generator(run, exp, plane).drive()
+                task = Generator(run, exp, plane).drive
             else:
                 from hpcrl.resident_engines import Engine
 
-                Engine(run, exp, plane, role_rank).serve()
+                task = Engine(run, exp, plane, role_rank).serve
+            gc.freeze()  # the start-up's heap (imports, model, engine): no full collection walks it again
+            task()
             plane.close()
             stage.skip_final_collection()
         except BaseException as err:
