@@ -11,12 +11,12 @@ layer as it is, logging that at debug level only).
 
 On CPU, for an unquantized model, each worker loads directly instead (`DirectLoad`): vLLM's CPU
 linear layers pack their weight for oneDNN and drop it, which is what makes the layer-wise reload
-restore every layer's tensors and process it again on each sync (about 9 ms of Python for the
-demo's 2 layers, against 3 ms). At the first sync the worker gives each such layer back a weight
-in vLLM's own layout (from the metadata vLLM recorded for its reload), once; each sync then goes
-through the model's `load_weights` (vLLM's name mapping, fusing and sharding) straight into the
-live tensors and packs again only the linear layers (and experts) it wrote. The cost: the linear
-weights are held twice in the engine's memory, packed and plain.
+restore every layer's tensors and process it again on each sync, in generic Python (10 ms for the
+demo's 2 layers, against 4 ms; tools/bench_engine_load.py). For the load, the worker gives each
+such layer a weight in vLLM's own layout again (from the metadata vLLM recorded for its reload),
+runs the model's `load_weights` (vLLM's name mapping, fusing and sharding) straight into the live
+tensors, packs again exactly the layers (and experts) it wrote, and drops those weights again:
+during a load the engine holds its linear weights twice, packed and plain.
 """
 
 from __future__ import annotations
@@ -129,13 +129,13 @@ class DirectLoad:
 
     PLAIN = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod"})
 
-    def __init__(self, gemms: list):
-        self.gemms = gemms  # the layers vLLM prepared a CPU GEMM for, their weights all kept
+    def __init__(self, gemms: list, dropped: dict):
+        self.gemms = gemms  # the layers vLLM prepared a CPU GEMM for
+        self.dropped = dropped  # of those, each that dropped its weight: the weight, as vLLM recorded it
 
     @classmethod
     def of(cls, model, quantization) -> DirectLoad | None:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, _get_original_loader
-        from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
         from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
 
         if quantization is not None or next(model.parameters()).device.type != "cpu":
@@ -145,29 +145,35 @@ class DirectLoad:
             return None
         gemms = [m for m in model.modules()
                  if hasattr(m, "cpu_linear") and not getattr(m, "_cpu_skip_gemm_dispatch", False)]
-        dropped = [m for m in gemms if m.weight.numel() == 0]
-        recorded = [LAYERWISE_INFO[m].restore_metadata[0] if m in LAYERWISE_INFO else {} for m in dropped]
-        if not all("weight" in r for r in recorded):
+        dropped = {m: LAYERWISE_INFO[m].restore_metadata[0].get("weight") if m in LAYERWISE_INFO else None
+                   for m in gemms if m.weight.numel() == 0}
+        if any(meta is None for meta in dropped.values()):
             return None
-        for layer, meta in zip(dropped, recorded, strict=True):
-            weight = materialize_meta_tensor(restore_layer_refs(meta["weight"], layer))
-            weight.weight_loader = _get_original_loader(weight)
-            del layer.weight
-            layer.register_parameter("weight", weight)  # written by the first load, before any use
-        return cls(gemms)
+        return cls(gemms, {m: restore_layer_refs(meta, m) for m, meta in dropped.items()})
 
     def __call__(self, model, weights) -> None:
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+        from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader
+        from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
 
-        names = model.load_weights(weights)
-        params = dict(model.named_parameters())
-        written = {id(p) for n, p in params.items() if names is None or n in names}
-        for layer in self.gemms:
-            if id(layer.weight) in written:
-                dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
-        for layer in model.modules():
-            if id(getattr(layer, "w13_weight", None)) in written:
-                _repack_experts(layer)
+        kept = {layer: layer.weight for layer in self.dropped}  # the empty weights their GEMMs replaced
+        for layer, meta in self.dropped.items():  # each a weight to load into, for this load only
+            weight = materialize_meta_tensor(meta)
+            weight.weight_loader = _get_original_loader(weight)
+            layer.weight = weight
+        try:
+            names = model.load_weights(weights)
+            written = {id(p) for n, p in model.named_parameters() if names is None or n in names}
+            for layer in self.gemms:  # packed (and dropped again) as at load time
+                if id(layer.weight) in written:
+                    dispatch_cpu_unquantized_gemm(layer, remove_weight=layer in self.dropped)
+            for layer in model.modules():
+                if id(getattr(layer, "w13_weight", None)) in written:
+                    _repack_experts(layer)
+        finally:  # a layer the load did not write keeps its packed weight
+            for layer, empty in kept.items():
+                if layer.weight.numel():
+                    layer.weight = empty
 
 
 def refresh_cpu_copies(model) -> int:

@@ -72,12 +72,20 @@ def test_a_direct_load_applies_only_to_unquantized_layers_whose_weight_vllm_kept
 
 
 class Loaded(torch.nn.Module):
-    """A model whose `load_weights` writes the named weights only, as vLLM's does."""
+    """A model whose `load_weights` writes the named weights only, as vLLM's does; `a` and `b` dropped
+    their weights as vLLM's CPU linear layers do once packed (recorded first, as vLLM records them)."""
 
     def __init__(self):
+        from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+
         super().__init__()
-        self.a, self.b, self.head = _gemm(4, 4), _gemm(4, 4), _gemm(4, 4)
-        self.head.weight = self.a.weight  # tied
+        self.a, self.b = _gemm(4, 4), _gemm(4, 4)
+        self.embed = _gemm(4, 4, "UnquantizedEmbeddingMethod")
+        self.head = _gemm(4, 4, "UnquantizedEmbeddingMethod")
+        self.head.weight = self.embed.weight  # tied
+        record_metadata_for_reloading(self)
+        for layer in (self.a, self.b):
+            layer.weight = _empty()
 
     def load_weights(self, weights):
         params = dict(self.named_parameters())
@@ -86,18 +94,33 @@ class Loaded(torch.nn.Module):
         return {name for name, _ in weights}
 
 
+def _empty() -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+
 def test_a_direct_load_packs_again_exactly_the_layers_it_wrote(monkeypatch):
     """A sync may carry part of the weights (LoRA adapters' layers); a layer it did not write keeps
-    its packed weight: packing it again would pack what it holds unpacked (experts: twice)."""
+    its packed weight: packing it again would pack garbage (experts: pack them twice). A layer
+    that dropped its weight drops it again once packed."""
     from vllm.model_executor.layers import utils
 
     packed = []
-    monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm",
-                        lambda layer, remove_weight: packed.append(layer))
+
+    def dispatch(layer, remove_weight):
+        packed.append((layer, remove_weight, layer.weight.detach().clone()))
+        if remove_weight:
+            layer.weight = _empty()
+
+    monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", dispatch)
     model = Loaded()
+    b = model.b.weight
     load = vllm_ext.DirectLoad.of(model, None)
-    load(model, [("a.weight", torch.ones(4, 4))])
-    assert packed == [model.a, model.head] and torch.equal(model.head.weight, torch.ones(4, 4))
+    assert set(load.dropped) == {model.a, model.b}
+    load(model, [("a.weight", torch.ones(4, 4)), ("embed.weight", torch.full((4, 4), 2.0))])
+    assert [(layer, drop) for layer, drop, _ in packed] == [(model.a, True), (model.embed, False),
+                                                            (model.head, False)]
+    assert torch.equal(packed[0][2], torch.ones(4, 4)) and torch.equal(packed[2][2], torch.full((4, 4), 2.0))
+    assert model.a.weight.numel() == 0 and model.b.weight is b  # dropped again; untouched
     packed.clear()
     load(model, [("b.weight", torch.ones(4, 4))])
-    assert packed == [model.b]
+    assert [layer for layer, _, _ in packed] == [model.b] and model.a.weight.numel() == 0
