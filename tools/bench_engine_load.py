@@ -15,22 +15,16 @@ each way (greedy tokens of a few prompts).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import time
 from pathlib import Path
 
+from bench_resident import model_overrides  # tools/, this script's directory
+
 from hpcrl import config, generation
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _bench_resident():
-    spec = importlib.util.spec_from_file_location("bench_resident", REPO / "tools" / "bench_resident.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def time_loads(worker, path: str, repeats: int) -> dict[str, list[float]]:
@@ -69,7 +63,7 @@ def greedy(llm) -> list[list[int]]:
 
 def measure(model: str, repeats: int) -> dict[str, float]:
     exp = config.with_overrides(config.load(REPO / "configs" / "demo.toml"),
-                                _bench_resident().model_overrides(model), "bench")
+                                model_overrides(model), "bench")
     path = Path(exp.model.path)
     llm = generation.make_engine(exp, path, 0)
     before = greedy(llm)
