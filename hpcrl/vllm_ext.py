@@ -11,8 +11,8 @@ layer as it is, logging that at debug level only).
 
 On CPU, for an unquantized model, each worker loads directly instead (`DirectLoad`): vLLM's CPU
 linear layers pack their weight for oneDNN and drop it, which is what makes the layer-wise reload
-restore every layer's tensors and process it again on each sync, in generic Python (10 ms for the
-demo's 2 layers, against 4 ms; tools/bench_engine_load.py). For the load, the worker gives each
+restore every layer's tensors and process it again on each sync, in generic Python (11 ms for the
+demo's 2 layers, against 5 ms; tools/bench_engine_load.py). For the load, the worker gives each
 such layer a weight in vLLM's own layout again (from the metadata vLLM recorded for its reload),
 runs the model's `load_weights` (vLLM's name mapping, fusing and sharding) straight into the live
 tensors, packs again exactly the layers (and experts) it wrote, and drops those weights again:
