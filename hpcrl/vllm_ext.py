@@ -64,19 +64,21 @@ class WeightReceiver:
         returns this worker's rank in the weight-sync group."""
         from hpcrl import transports
 
+        model = self.model_runner.get_model()
         reload_log = logging.getLogger(RELOAD_LOGGER)  # this engine's filter, in place of an earlier one's
         for old in [f for f in reload_log.filters if isinstance(f, ExpectedReloadWarnings)]:
             reload_log.removeFilter(old)
-        reload_log.addFilter(ExpectedReloadWarnings(quiet_layers(self.model_runner.get_model())))
+        reload_log.addFilter(ExpectedReloadWarnings(quiet_layers(model)))
         tp_rank = getattr(self, "rank", 0) or 0
         device = str(self.device) if setup.get("backend") == "nccl" else "cpu"
         self._hpcrl_transport = transports.make(setup)
         self._hpcrl_transport.open_receiver(engine, tp_rank, device)
+        self._hpcrl_direct = DirectLoad.of(model, self.vllm_config.model_config.quantization)
         self._hpcrl_merger = None
         if setup.get("lora_scale"):  # the trainer sends LoRA adapters apart (hpcrl.lora)
             from hpcrl.lora import Merger
 
-            packed = getattr(self.model_runner.get_model(), "packed_modules_mapping", {}) or {}
+            packed = getattr(model, "packed_modules_mapping", {}) or {}
             self._hpcrl_merger = Merger(setup["lora_scale"], setup["lora_targets"], packed)
         return self._hpcrl_transport.setup.layout.rank(engine, tp_rank)
 
@@ -108,9 +110,7 @@ class WeightReceiver:
         if self._hpcrl_merger is not None and transport is self._hpcrl_transport:  # not a saved version
             weights = self._hpcrl_merger(weights)
         model = self.model_runner.get_model()
-        if getattr(self, "_hpcrl_direct", None) is None:
-            self._hpcrl_direct = DirectLoad.of(model, self.vllm_config.model_config.quantization) or False
-        if self._hpcrl_direct:
+        if self._hpcrl_direct is not None:
             from vllm.config import set_current_vllm_config
 
             with set_current_vllm_config(self.vllm_config):
@@ -119,7 +119,7 @@ class WeightReceiver:
             self.reload_weights(weights_iterator=weights)  # the worker's: under its vLLM config context
             refresh_cpu_copies(model)
         transport.verify(handoff)  # nothing it read was rewritten before it was loaded
-        return {**received, "seconds": time.perf_counter() - t0, "direct": bool(self._hpcrl_direct)}
+        return {**received, "seconds": time.perf_counter() - t0, "direct": self._hpcrl_direct is not None}
 
 
 class DirectLoad:
