@@ -13,6 +13,7 @@ steps beside the policy's on the same mini-batches. With asynchronous generation
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -86,9 +87,10 @@ class Actor:
     def device(self) -> torch.device:
         return self.engine.device
 
-    @property
+    @functools.cached_property
     def gradient_checkpointing(self) -> bool:
-        """Whether the policy recomputes its layers in the backward pass (update.gradient_checkpointing)."""
+        """Whether the policy recomputes its layers in the backward pass (update.gradient_checkpointing);
+        fixed for the run (read once: a walk over every module)."""
         return bool(getattr(self.engine.module, "is_gradient_checkpointing", False))
 
     @property

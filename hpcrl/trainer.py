@@ -24,6 +24,17 @@ from hpcrl.jit_ops import import_deepspeed
 DS_TAG = "state"
 
 
+def manual_seed(seed: int) -> None:
+    """torch.manual_seed(seed); on a machine with no CUDA device (hpcrl runs on CUDA or CPU) only
+    the CPU generator, all it seeds there: torch would also queue a seed for a CUDA that can never
+    start, with a formatted trace of the caller's stack (1-2 ms per update under a resident
+    trainer's deep stack)."""
+    if torch.cuda.is_available():
+        torch.manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(seed)
+
+
 def zero_stage(exp: Experiment, world_size: int) -> int:
     """The ZeRO stage DeepSpeed runs (hpcrl.config_training.deepspeed_stage)."""
     return deepspeed_stage(exp.update, exp.model.dtype, world_size)

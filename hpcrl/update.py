@@ -101,7 +101,7 @@ class Update:
         gen, scored = ctx.input_dir(GENERATE), ctx.input_dir(SCORE)
         previous = ctx.input_dir(UPDATE, k - 1) if k > 0 else None
         ctx.policy_version = k + 1
-        torch.manual_seed(ctx.seed)
+        trainer.manual_seed(ctx.seed)
         with ctx.timed("io"):
             self.samples = batches.load_samples(commit.read_table(gen, "rollouts"),
                                                 commit.read_table(scored, "scores"))

@@ -408,6 +408,15 @@ class _Tally:
         return forward()
 
 
+def test_the_update_seed_draws_as_torch_manual_seed_does():
+    trainer.manual_seed(7)
+    ours = (torch.rand(4), torch.randn(2, 3))
+    torch.manual_seed(7)
+    assert all(torch.equal(a, b) for a, b in zip(ours, (torch.rand(4), torch.randn(2, 3)), strict=True))
+    trainer.manual_seed(8)
+    assert not torch.equal(torch.rand(4), ours[0])
+
+
 def test_response_outputs_calls_the_model_as_each_layout_needs():
     """pins (response_outputs): the keyword arguments of each pass (attention mask, positions, cache,
     use_cache, logits_to_keep for logits only), each pass's token weights in the MoE tally (a shared

@@ -678,3 +678,20 @@ def test_every_url_key_takes_an_http_url_or_nothing(tmp_path, url, says):
             config.with_overrides(exp, {key: url}, "test")
         for fine in ("", "http://rm-node:8000/score", "https://hooks.example.org/T0"):
             assert config.with_overrides(exp, {key: fine}, "test") is not None
+
+
+def test_each_load_of_a_file_is_its_own_experiment(tmp_path):
+    """pins: config.load parses a file's text once (every resident stage loads the frozen config),
+    but a caller that changes what it got changes no later load."""
+    path = tmp_path / "e.toml"
+    path.write_text('[model]\npath = "m"\n[data]\ntrain = "t.parquet"\n[reward]\n'
+                    'functions = ["hpcrl.rewards:exact_match"]\n', encoding="utf-8")
+    first = config.load(path)
+    first.reward.functions.append("other:reward")
+    first.model.path = "elsewhere"
+    again = config.load(path)
+    assert again.reward.functions == ["hpcrl.rewards:exact_match"]
+    assert again.model.path == str(tmp_path / "m")
+    data = config._parse_toml(path.read_text(encoding="utf-8"))
+    copied = config._copied(data)
+    assert copied == data and copied["reward"]["functions"] is not data["reward"]["functions"]
