@@ -40,7 +40,7 @@ class Samples:
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
     sampler_logprobs: list[list[float]]
-    rewards: torch.Tensor
+    rewards: torch.Tensor | None  # None: loaded without scores (hpcrl.update_ahead)
     group_ids: torch.Tensor
     baselines: torch.Tensor | None = None  # remax: the reward of each sample's prompt's greedy sample
     policy_versions: torch.Tensor | None = None  # int64: the policy version that generated each sample
@@ -53,23 +53,25 @@ class Samples:
         return [len(self.prompt_ids[i]) + len(self.response_ids[i]) for i in rows]
 
 
-def load_samples(rollouts: pa.Table, scores: pa.Table) -> Samples:
+def load_samples(rollouts: pa.Table, scores: pa.Table | None = None) -> Samples:
     """The update batch: the `kept` training rows of the rollouts with their rewards (rows must
-    line up key by key). Rollouts of schema v1 have no `kept`: every training row is kept."""
-    if rollouts.select(list(SAMPLE_KEYS)) != scores.select(list(SAMPLE_KEYS)):
+    line up key by key); without `scores` the same rows, with no rewards. Rollouts of schema v1
+    have no `kept`: every training row is kept."""
+    if scores is not None and rollouts.select(list(SAMPLE_KEYS)) != scores.select(list(SAMPLE_KEYS)):
         raise ValueError("score rows do not line up with the rollouts (keys differ)")
     batch = pc.equal(rollouts["split"], "train")
     if "kept" in rollouts.column_names:
         batch = pc.and_(batch, rollouts["kept"])
-    train, s = rollouts.filter(batch), scores.filter(batch)
+    train = rollouts.filter(batch)
+    scored = scores.filter(batch) if scores is not None else None
     return Samples(
         keys=train.select(list(SAMPLE_KEYS)),
         prompt_ids=train["prompt_ids"].to_pylist(),
         response_ids=train["response_ids"].to_pylist(),
         sampler_logprobs=train["logprobs"].to_pylist(),
-        rewards=torch.tensor(s["reward"].to_numpy(), dtype=torch.float64),
+        rewards=None if scored is None else torch.tensor(scored["reward"].to_numpy(), dtype=torch.float64),
         group_ids=torch.tensor(train["prompt_index"].to_numpy()),
-        baselines=_baselines(scores, train["prompt_index"].to_pylist()),
+        baselines=None if scores is None else _baselines(scores, train["prompt_index"].to_pylist()),
         policy_versions=torch.tensor(train["policy_version"].to_numpy(), dtype=torch.int64),
     )
 

@@ -21,6 +21,7 @@ import time
 
 from hpcrl import (
     agreement,
+    commit,
     plan,
     resident_engines,
     resident_sync,
@@ -196,8 +197,12 @@ class Generator:
 
     def _score(self, k: int, beside: bool = False) -> None:
         """The score stage of iteration k, once its generation is committed (`beside`: on the
-        scoring thread)."""
+        scoring thread); the trainers meanwhile compute the part of update k that needs no scores
+        (hpcrl.update_ahead: its commands come in order, after update k - 1's)."""
         self.commits.wait(k)
+        updates = plan.trains(self.exp, k) and not commit.is_committed(self.run.stage_dir(k, UPDATE))
+        if updates and not self.colocated:
+            self.plane.send({"op": "prepare", "iteration": k})  # what update k needs no score for
         run_stage(SCORE, self.run.root, k, self.score.run, startup=0.0, beside=beside)
 
     def _hold(self, version: int) -> None:

@@ -58,6 +58,7 @@ class Trainer:
                 print("[resident] colocated: the trainers' state is in CPU memory whenever vLLM is awake",
                       flush=True)
         self.last_probe = None
+        self.version = run.latest_saved_version()  # the policy version the trainers hold
         self.sends = 0  # the weight sends so far; the engines signal `loaded/<n>` once they hold send n
         self.committer: threading.Thread | None = None
         self.commit_error: BaseException | None = None
@@ -76,6 +77,9 @@ class Trainer:
                 break
             if cmd["op"] == "start":
                 self._start(cmd["probe"])
+                continue
+            if cmd["op"] == "prepare":
+                self._prepare(cmd["iteration"])
                 continue
             self._update(cmd["iteration"], cmd["checkpoint"], cmd["probe"], cmd.get("presend", False))
         if self.sync is not None:
@@ -114,6 +118,13 @@ class Trainer:
         reply["send_s"] = time.perf_counter() - t0
         return reply
 
+    def _prepare(self, k: int) -> None:
+        """Update k's forward passes that need no scores, computed now (hpcrl.update_ahead), while
+        the generator scores generation k; only under the weights update k starts from (the
+        generator commands it after update k - 1: otherwise the update computes them itself)."""
+        if self.version == k and not self.colocated:
+            self.stage.prepare(k)
+
     def _update(self, k: int, checkpoint: bool, probe: list[list[int]], presend: bool = False) -> None:
         if self.colocated:  # vLLM sleeps through the update
             self.actor.restore()
@@ -140,6 +151,7 @@ class Trainer:
         # are written, and committed with the checkpoint, while the generator loads and samples
         self.stage.after_compute = hand_over if behind else None
         attempt.run(self.stage.run)
+        self.version = k + 1
         if not behind:
             self._commit(attempt, k, checkpoint)
             hand_over()

@@ -19,6 +19,7 @@ import pyarrow as pa
 import torch
 
 from hpcrl import advantages, agreement, batches, commit, hf_imports, kl_control, losses, preemption, trainer
+from hpcrl import update_ahead as ahead
 from hpcrl.actor import Actor, StepInputs
 from hpcrl.jit_ops import import_deepspeed
 from hpcrl.kl_control import KLControl
@@ -26,7 +27,7 @@ from hpcrl.schemas import UPDATE_STATS
 from hpcrl.stage import Stage, StageContext
 from hpcrl.stage_kinds import GENERATE, SCORE, UPDATE
 
-Rows = dict[int, list[float]]  # per-token values by row of the update batch
+Rows = ahead.Rows
 
 
 @dataclass
@@ -58,6 +59,7 @@ class UpdateStage(Stage):
     # called on every rank once an update's compute has ended and its weights are known finite,
     # before its outputs are written (the resident trainers send the weights then)
     after_compute: Callable[[], None] | None = None
+    prepared: ahead.Prepared | None = None  # the next update's, computed ahead (`prepare`)
 
     def startup(self) -> None:
         import_deepspeed()  # its import cost is process start-up, not model loading
@@ -71,8 +73,14 @@ class UpdateStage(Stage):
         else:
             self.actor = Actor.for_version(self.exp, self.rundir, version, self.rank, self.world_size)
 
+    def prepare(self, k: int) -> None:
+        """Compute update k's logprobs before its first step now (hpcrl.update_ahead), for its
+        run: call it only when the actor holds the weights update k starts from."""
+        self.prepared = ahead.prepare(self.actor, self.rundir, k)
+
     def run(self, ctx: StageContext, guard: preemption.Guard | None = None) -> None:
-        Update(self.actor, ctx, guard, self.after_compute).run()
+        prepared, self.prepared = self.prepared, None
+        Update(self.actor, ctx, guard, self.after_compute, prepared).run()
 
     def job(self, ctx: StageContext) -> None:
         """Set up, update under Slurm's pre-timeout signal (save progress, requeue, resume), save."""
@@ -93,7 +101,7 @@ class Update:
     the steps have ended and the weights are known finite, before the writes."""
 
     def __init__(self, actor: Actor, ctx: StageContext, guard: preemption.Guard | None = None,
-                 after_compute: Callable[[], None] | None = None):
+                 after_compute: Callable[[], None] | None = None, prepared: ahead.Prepared | None = None):
         exp, k = actor.exp, ctx.iteration
         a = exp.algorithm
         self.actor, self.ctx, self.guard, self.exp = actor, ctx, guard, exp
@@ -109,17 +117,12 @@ class Update:
         trainer.check_batch_shape(exp.update, n, actor.world_size)
         self.rows = actor.data_rows(list(range(n)))
         self.engines = {"trainer": actor.engine, **({"critic": actor.critic.engine} if actor.critic else {})}
-        groups = self.samples.group_ids.tolist()
-        self.steps = [(epoch, mini) for epoch in range(exp.update.ppo_epochs)
-                      for mini in trainer.split_mini_batches(groups, exp.update.mini_batches,
-                                                             ctx.seed, epoch)]
-        self.trains_policy = actor.critic is None or k >= a.critic.warmup
-        # Until the first optimizer step the policy is the old one, so the first mini-batch's old
-        # logprobs come from its own training forward pass; unless GAE must price the reference KL
-        # into the rewards before any step (kl.mode "reward"). A KL in the loss is priced (for
-        # the controller and the metrics) after that step, once the old logprobs cover the batch.
-        self.own_old = (a.old_logprobs == "recompute" and self.trains_policy
-                        and not (actor.ref_model is not None and a.kl.mode == "reward"))
+        self.steps = ahead.steps(exp, self.samples.group_ids.tolist(), ctx.seed)
+        self.trains_policy = ahead.trains_policy(actor, k)
+        self.own_old = ahead.owns_old(actor, k)
+        # computed ahead (hpcrl.update_ahead) for this batch: what the update would compute itself
+        self.prepared = prepared if (prepared is not None and prepared.iteration == k
+                                     and prepared.keys.equals(self.samples.keys)) else None
         self.coef = kl_control.current_coef(a.kl, previous) if actor.ref_model is not None else 0.0
         self.loss_coef = self.coef if a.kl.mode == "loss" else 0.0
 
@@ -143,13 +146,15 @@ class Update:
     def _start(self) -> UpdateState:
         """The batch's old and reference logprobs and its advantages, before any step."""
         actor, samples, a = self.actor, self.samples, self.exp.algorithm
-        n, metrics = len(samples), {}
-        if a.old_logprobs == "sampler":
-            old = dict(enumerate(samples.sampler_logprobs))
+        metrics = {}
+        if self.prepared is not None:
+            old, ref = self.prepared.old, self.prepared.ref
+            self.ctx.timings["prepare"] = self.prepared.seconds
         else:
             first = set(self.steps[0][1]) if self.own_old else set()
-            old = actor.logprobs(samples, actor.data_rows([i for i in range(n) if i not in first]))
-        ref = actor.ref_logprobs(samples, self.rows) if actor.ref_model is not None else None
+            old, ref = ahead.logprobs_before_steps(actor, samples, first)
+        if old is None:  # algorithm.old_logprobs = "sampler"
+            old = dict(enumerate(samples.sampler_logprobs))
         mask = trainer.response_mask([len(r) for r in samples.response_ids])
         kl_tokens, control = None, None
         if ref is not None and not self.own_old:
@@ -233,7 +238,8 @@ class Update:
                                                                   state.old_values, state.returns))
             if state.control is not None:
                 state.control.save(ctx.writer.dir)
-        ctx.writer.metrics.update(update_metrics(state.stats, ctx.timings["compute"]))
+        busy = ctx.timings["compute"] + ctx.timings.get("prepare", 0.0)
+        ctx.writer.metrics.update(update_metrics(state.stats, busy))
         ctx.notes["attn_implementation"] = self.actor.attn_implementation
         ctx.notes["gradient_checkpointing"] = str(self.actor.gradient_checkpointing).lower()
         ctx.notes["offload"] = self.actor.offload

@@ -13,10 +13,11 @@ Every committed stage records, in its manifest (`OpenStage.commit`), under "util
   multi-rank stage gathers every rank's CUDA_VISIBLE_DEVICES per host, so ranks that each see their
   node's GPUs count them once), else the CPU cores its ranks may run on (sched_getaffinity, per host).
   A process counts as on GPUs when it imported torch and torch sees a CUDA device.
-- `busy_s`: wall seconds of device work: the stage's "compute" phase (sampling, reward functions,
-  the optimizer steps) plus "filter" (dynamic sampling scoring its rounds to choose the batch: the
-  role's own work, though with rule rewards its GPUs wait meanwhile). Not busy: "startup" (imports),
-  "load" (model, engine, reward pool), "io" (tables, checkpoints) and "wait" (for a commit).
+- `busy_s`: wall seconds of device work: the phases "compute" (sampling, reward functions, the
+  optimizer steps), "filter" (dynamic sampling scoring its rounds to choose the batch: the role's
+  own work, though with rule rewards its GPUs wait meanwhile) and "prepare" (a resident update's
+  forward passes, run ahead: hpcrl.update_ahead). Not busy: "startup" (imports), "load" (model,
+  engine, reward pool), "io" (tables, checkpoints) and "wait" (for a commit).
 - `allocated_s`: wall seconds the role held its devices for this stage: from the end of its previous
   stage in the same process (`RoleClock`), or from the process start for its first. A stage job's
   whole life up to its commit (start-up and model load allocated but not busy); a resident task's
@@ -50,7 +51,7 @@ from hpcrl.stage_kinds import GENERATE, KINDS, SCORE
 
 ROLES = ("generator", "scorer", "trainer")  # display order
 SHORT = {"generator": "gen", "scorer": KINDS[SCORE].short, "trainer": "train"}  # status and inspect
-BUSY_PHASES = ("compute", "filter")
+BUSY_PHASES = ("compute", "filter", "prepare")
 UNITS = {"gpu": "GPU", "cpu": "core"}
 
 

@@ -184,6 +184,10 @@ def test_resident_runs_commit_what_the_staged_run_commits(write_experiment, stag
         # checkpoint_every = 2: version 1 is not saved, version 2 (the last) is.
         assert not b.has_policy(1) and b.has_policy(2)
         assert commit.read_manifest(b.stage_dir(0, "update"))["timings"]["startup"] == 0.0
+        # each update's forward passes before its steps ran while its generation was scored
+        # (hpcrl.update_ahead), with the same tables as the staged update's, which computes them itself
+        assert all(commit.read_manifest(b.stage_dir(k, "update"))["timings"]["prepare"] > 0
+                   for k in range(exp.run.iterations)), path
         for k in range(exp.run.iterations):  # a generation commits after the update it depends on
             update, generate = (commit.read_manifest(b.stage_dir(k, "update")),
                                 commit.read_manifest(b.stage_dir(k + 1, "generate")))

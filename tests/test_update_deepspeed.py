@@ -467,6 +467,49 @@ class HookedUpdate(executors.StageCall):
         super().__call__()
 
 
+class AheadUpdate(executors.StageCall):
+    """The update stage job that first computes what the update needs no scores for
+    (hpcrl.update_ahead), as the resident trainers do while the generator scores."""
+
+    def __call__(self) -> None:
+        from hpcrl.update import UpdateStage
+
+        run = UpdateStage.run
+
+        def run_prepared(stage, ctx, guard=None):
+            stage.prepare(ctx.iteration)
+            return run(stage, ctx, guard)
+
+        UpdateStage.run = run_prepared
+        super().__call__()
+
+
+def test_an_update_computed_partly_ahead_commits_what_the_whole_update_does(write_experiment):
+    """pins: the old and reference logprobs computed ahead (hpcrl.update_ahead) for other rows, under
+    other weights or in another order than the update's own; the update then ignoring them."""
+    import submitit
+    from transformers import AutoTokenizer
+
+    out = {}
+    for name in ("whole", "ahead"):
+        exp = config.load(write_experiment(name, algorithm={"kl": {"coef": 0.1, "estimator": "k3"}},
+                                           run={"iterations": 1}))
+        run, _ = runs.prepare(exp, name)
+        _commit_inputs(run, exp, AutoTokenizer.from_pretrained(exp.model.path))
+        if name == "whole":
+            executors.LocalExecutor(run, exp).submit("update", 0).job.results()
+        else:
+            submitit.LocalExecutor(folder=run.logs / "%j").submit(AheadUpdate("stages.update", str(run.root),
+                                                                              0)).result()
+        d = run.stage_dir(0, "update")
+        out[name] = ([commit.read_table(d, t) for t in ("stats", "advantages")], _weights(run),
+                     commit.read_manifest(d)["timings"])
+    (tables, weights, timings), (tables_ahead, weights_ahead, timings_ahead) = out["whole"], out["ahead"]
+    assert all(a.equals(b) for a, b in zip(tables, tables_ahead, strict=True))
+    assert all(torch.equal(weights[n], weights_ahead[n]) for n in weights)
+    assert "prepare" not in timings and timings_ahead["prepare"] > 0
+
+
 class PoisonedUpdate(HookedUpdate):
     """The update stage job with a fault injected: after the (last) optimizer step one weight of the
     policy is set to NaN (what an overflowing step or a bad kernel leaves behind)."""
