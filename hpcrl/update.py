@@ -110,9 +110,10 @@ class Update:
         previous = ctx.input_dir(UPDATE, k - 1) if k > 0 else None
         ctx.policy_version = k + 1
         trainer.manual_seed(ctx.seed)
+        prepared = ahead.of_update(prepared, k, ctx.inputs[f"{GENERATE}@{gen.parent.name}"])
         with ctx.timed("io"):
-            self.samples = batches.load_samples(commit.read_table(gen, "rollouts"),
-                                                commit.read_table(scored, "scores"))
+            rollouts = prepared.rollouts if prepared is not None else commit.read_table(gen, "rollouts")
+            self.samples = batches.load_samples(rollouts, commit.read_table(scored, "scores"))
         n = len(self.samples)
         trainer.check_batch_shape(exp.update, n, actor.world_size)
         self.rows = actor.data_rows(list(range(n)))
@@ -121,8 +122,7 @@ class Update:
         self.trains_policy = ahead.trains_policy(actor, k)
         self.own_old = ahead.owns_old(actor, k)
         # computed ahead (hpcrl.update_ahead) for this batch: what the update would compute itself
-        self.prepared = prepared if (prepared is not None and prepared.iteration == k
-                                     and prepared.keys.equals(self.samples.keys)) else None
+        self.prepared = prepared if prepared is not None and prepared.keys.equals(self.samples.keys) else None
         self.coef = kl_control.current_coef(a.kl, previous) if actor.ref_model is not None else 0.0
         self.loss_coef = self.coef if a.kl.mode == "loss" else 0.0
 

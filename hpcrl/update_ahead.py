@@ -74,6 +74,8 @@ class Prepared:
     """Update `iteration`'s logprobs before its first step, computed ahead (`prepare`)."""
 
     iteration: int
+    generation: str  # the manifest digest of the committed generation it read
+    rollouts: pa.Table  # that generation's, as read (verified)
     keys: pa.Table  # the batch's sample keys, in order (the update checks its own against them)
     old: Rows | None
     ref: Rows | None
@@ -83,7 +85,8 @@ class Prepared:
 def prepare(actor: Actor, rundir: RunDir, k: int) -> Prepared:
     """Update k's logprobs before its first step, from its committed generation (its scores need not
     exist yet), under the actor's weights: call it only when they are those update k starts from."""
-    rollouts = commit.read_table(rundir.stage_dir(k, GENERATE), "rollouts")
+    generation = rundir.stage_dir(k, GENERATE)
+    digest, rollouts = commit.manifest_digest(generation), commit.read_table(generation, "rollouts")
     samples = batches.load_samples(rollouts)
     t0 = time.perf_counter()
     first = set()
@@ -91,4 +94,11 @@ def prepare(actor: Actor, rundir: RunDir, k: int) -> Prepared:
         seed = derive_seed(actor.exp.run.seed, k, UPDATE)
         first = set(steps(actor.exp, samples.group_ids.tolist(), seed)[0][1])
     old, ref = logprobs_before_steps(actor, samples, first)
-    return Prepared(k, samples.keys, old, ref, time.perf_counter() - t0)
+    return Prepared(k, digest, rollouts, samples.keys, old, ref, time.perf_counter() - t0)
+
+
+def of_update(prepared: Prepared | None, k: int, generation: str) -> Prepared | None:
+    """`prepared` if it is update k's, computed from the committed generation whose manifest digest
+    is `generation` (the one update k reads); else None."""
+    ok = prepared is not None and prepared.iteration == k and prepared.generation == generation
+    return prepared if ok else None

@@ -540,6 +540,9 @@ def test_load_samples_takes_the_kept_training_rows_and_their_baselines():
         batches.load_samples(rollouts, shifted)
     with pytest.raises(ValueError, match=r"^no greedy baseline sample for the training prompts \[7\]$"):
         batches.load_samples(rollouts.slice(0, 5), scores.slice(0, 5))  # prompt 7's baseline is row 5
+    alone = batches.load_samples(rollouts)  # no scores yet (hpcrl.update_ahead): the same rows, no rewards
+    assert alone.keys.equals(s.keys) and alone.response_ids == s.response_ids
+    assert alone.rewards is None and alone.baselines is None
     few = pa.table({"split": ["baseline"], "prompt_index": [9], "reward": [1.0]})
     with pytest.raises(ValueError, match=r"training prompts \[0, 1, 2, 3, 4\]$"):  # the first five
         batches._baselines(few, [6, 5, 4, 3, 2, 1, 0, 9])
