@@ -72,7 +72,8 @@ class Trainer:
 
         while True:
             cmd = self.plane.receive()
-            self._await_commit()  # the previous update's commit ends before any new collective
+            if cmd["op"] != "prepare" or self.exp.update.world_size > 1:
+                self._await_commit()  # the previous update's commit ends before any new collective
             if cmd["op"] == "stop":
                 break
             if cmd["op"] == "start":
