@@ -44,3 +44,62 @@ def test_an_update_takes_only_what_was_computed_ahead_for_it_from_its_generation
     assert ahead.of_update(prepared, 4, "sha256:a") is None  # another update's
     assert ahead.of_update(prepared, 3, "sha256:b") is None  # generation 3 made again since
     assert ahead.of_update(None, 3, "sha256:a") is None
+
+
+class _Actor:
+    """The actor's calls `prepare` makes, recorded: each row's logprobs are [row] (the policy's) or
+    [-row] (the reference's); rank 1 of 2 takes the odd rows."""
+
+    def __init__(self, old_logprobs="recompute", ref=False, mini_batches=2):
+        self.exp = SimpleNamespace(algorithm=SimpleNamespace(old_logprobs=old_logprobs,
+                                                             critic=SimpleNamespace(warmup=0),
+                                                             kl=SimpleNamespace(mode="loss")),
+                                   update=SimpleNamespace(ppo_epochs=1, mini_batches=mini_batches),
+                                   run=SimpleNamespace(seed=11))
+        self.critic, self.ref_model, self.calls = None, object() if ref else None, []
+
+    def data_rows(self, rows):
+        return [r for r in rows if r % 2 == 1]
+
+    def logprobs(self, samples, rows):
+        self.calls.append(("policy", rows))
+        return {r: [float(r)] for r in rows}
+
+    def ref_logprobs(self, samples, rows):
+        self.calls.append(("reference", rows))
+        return {r: [-float(r)] for r in rows}
+
+
+def _committed_generation(tmp_path, k: int):
+    import pyarrow.parquet as pq
+
+    from hpcrl import commit
+    from hpcrl.rundir import RunDir
+    from tests.test_batches import _tables
+
+    run = RunDir.at(tmp_path)
+    w = commit.StageWriter(commit.fresh_temp_dir(run.stage_dir(k, "generate")))
+    pq.write_table(_tables()[0], w.dir / "rollouts.parquet")  # the columns the update reads
+    w.tables["rollouts"] = {"file": "rollouts.parquet", "rows": 7, "schema": "rollouts"}
+    commit.commit(run.stage_dir(k, "generate"), w, {"stage": "generate", "policy_version": k})
+    return run
+
+
+def test_prepare_computes_the_rows_the_update_would_before_its_first_step(tmp_path):
+    from hpcrl import commit
+    from hpcrl.stage import derive_seed
+
+    run = _committed_generation(tmp_path, 2)
+    actor = _Actor(ref=True)
+    p = ahead.prepare(actor, run, 2)
+    seed = derive_seed(11, 2, "update")
+    first = set(ahead.steps(actor.exp, [7, 3, 7], seed)[0][1])  # the training rows' prompts: 7, 3, 7
+    others = [r for r in range(3) if r not in first]
+    assert actor.calls == [("policy", [r for r in others if r % 2 == 1]), ("reference", [1])]
+    assert p.old == {r: [float(r)] for r in others if r % 2 == 1} and p.ref == {1: [-1.0]}
+    assert (p.iteration, p.generation) == (2, commit.manifest_digest(run.stage_dir(2, "generate")))
+    assert p.keys.to_pydict()["prompt_index"] == [7, 3, 7] and p.rollouts.num_rows == 7 and p.seconds >= 0
+    sampler = _Actor(old_logprobs="sampler")
+    assert ahead.prepare(sampler, run, 2).old is None and sampler.calls == []  # nor a reference
+    whole = _Actor(mini_batches=1)  # one mini-batch: its step computes every old logprob itself
+    assert ahead.prepare(whole, run, 2).old == {} and whole.calls == [("policy", [])]

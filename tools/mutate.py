@@ -56,9 +56,10 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name: (modules
     "scoring": (("scoring", "rewards"), ("test_scoring", "test_rewards", "test_reward_backends")),
     "retention": (("retention", "pruning"), ("test_retention",)),
     "alerts": (("alerts",), ("test_alerts", "test_alert_rules")),
+    "update_ahead": (("update_ahead",), ("test_update_ahead",)),
 }
 DEFAULT = ("algorithms", "dynamic_sampling", "config", "commit", "replay", "critic",
-           "versions", "utilisation", "retention", "alerts")  # ~20 min on 2 cores
+           "versions", "utilisation", "retention", "alerts", "update_ahead")  # ~20 min on 2 cores
 KILLED = {1, 3}  # mutmut's exit codes (mutmut.stats.status_by_exit_code)
 SURVIVED = {0}
 TIMEOUT = {36, -24, 24, 152, 255}
