@@ -47,26 +47,26 @@ def test_an_update_takes_only_what_was_computed_ahead_for_it_from_its_generation
 
 
 class _Actor:
-    """The actor's calls `prepare` makes, recorded: each row's logprobs are [row] (the policy's) or
-    [-row] (the reference's); rank 1 of 2 takes the odd rows."""
+    """The actor's calls `prepare` makes, recorded (with the batch's responses): each row's logprobs
+    are [row] (the policy's) or [-row] (the reference's); one rank."""
 
-    def __init__(self, old_logprobs="recompute", ref=False, mini_batches=2):
+    def __init__(self, old_logprobs="recompute", ref=False, mini_batches=2, kl_mode="loss", critic=False):
         self.exp = SimpleNamespace(algorithm=SimpleNamespace(old_logprobs=old_logprobs,
-                                                             critic=SimpleNamespace(warmup=0),
-                                                             kl=SimpleNamespace(mode="loss")),
+                                                             critic=SimpleNamespace(warmup=5),
+                                                             kl=SimpleNamespace(mode=kl_mode)),
                                    update=SimpleNamespace(ppo_epochs=1, mini_batches=mini_batches),
-                                   run=SimpleNamespace(seed=11))
-        self.critic, self.ref_model, self.calls = None, object() if ref else None, []
+                                   run=SimpleNamespace(seed=7))
+        self.critic, self.ref_model, self.calls = object() if critic else None, object() if ref else None, []
 
     def data_rows(self, rows):
-        return [r for r in rows if r % 2 == 1]
+        return rows
 
     def logprobs(self, samples, rows):
-        self.calls.append(("policy", rows))
+        self.calls.append(("policy", rows, samples.response_ids))
         return {r: [float(r)] for r in rows}
 
     def ref_logprobs(self, samples, rows):
-        self.calls.append(("reference", rows))
+        self.calls.append(("reference", rows, samples.response_ids))
         return {r: [-float(r)] for r in rows}
 
 
@@ -86,20 +86,26 @@ def _committed_generation(tmp_path, k: int):
 
 
 def test_prepare_computes_the_rows_the_update_would_before_its_first_step(tmp_path):
+    """pins (prepare, logprobs_before_steps): the rows of each forward pass (all but the first
+    mini-batch's, whose step computes its own: with run seed 7 and update 2 that is row 1), the
+    batch they are of, the reference's rows, what a run without either computes, the record."""
     from hpcrl import commit
     from hpcrl.stage import derive_seed
 
     run = _committed_generation(tmp_path, 2)
+    responses = [[9], [11, 12], [14, 15, 16]]  # the kept training rows (tests/test_batches.py)
     actor = _Actor(ref=True)
+    assert ahead.steps(actor.exp, [7, 3, 7], derive_seed(7, 2, "update"))[0][1] == [1]
     p = ahead.prepare(actor, run, 2)
-    seed = derive_seed(11, 2, "update")
-    first = set(ahead.steps(actor.exp, [7, 3, 7], seed)[0][1])  # the training rows' prompts: 7, 3, 7
-    others = [r for r in range(3) if r not in first]
-    assert actor.calls == [("policy", [r for r in others if r % 2 == 1]), ("reference", [1])]
-    assert p.old == {r: [float(r)] for r in others if r % 2 == 1} and p.ref == {1: [-1.0]}
+    assert actor.calls == [("policy", [0, 2], responses), ("reference", [0, 1, 2], responses)]
+    assert p.old == {0: [0.0], 2: [2.0]} and p.ref == {0: [-0.0], 1: [-1.0], 2: [-2.0]}
     assert (p.iteration, p.generation) == (2, commit.manifest_digest(run.stage_dir(2, "generate")))
-    assert p.keys.to_pydict()["prompt_index"] == [7, 3, 7] and p.rollouts.num_rows == 7 and p.seconds >= 0
+    assert p.keys.to_pydict()["prompt_index"] == [7, 3, 7] and p.rollouts.num_rows == 7
+    assert 0 <= p.seconds < 60
     sampler = _Actor(old_logprobs="sampler")
-    assert ahead.prepare(sampler, run, 2).old is None and sampler.calls == []  # nor a reference
-    whole = _Actor(mini_batches=1)  # one mini-batch: its step computes every old logprob itself
-    assert ahead.prepare(whole, run, 2).old == {} and whole.calls == [("policy", [])]
+    p = ahead.prepare(sampler, run, 2)
+    assert p.old is None and p.ref is None and sampler.calls == []
+    # no step computes old logprobs of its own: the policy's forward passes cover every row
+    for actor in (_Actor(ref=True, kl_mode="reward"), _Actor(critic=True)):  # GAE prices the KL; warmup
+        ahead.prepare(actor, run, 2)
+        assert actor.calls[0] == ("policy", [0, 1, 2], responses)
