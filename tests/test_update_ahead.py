@@ -55,7 +55,7 @@ class _Actor:
                                                              critic=SimpleNamespace(warmup=5),
                                                              kl=SimpleNamespace(mode=kl_mode)),
                                    update=SimpleNamespace(ppo_epochs=1, mini_batches=mini_batches),
-                                   run=SimpleNamespace(seed=7))
+                                   run=SimpleNamespace(seed=4))
         self.critic, self.ref_model, self.calls = object() if critic else None, object() if ref else None, []
 
     def data_rows(self, rows):
@@ -87,7 +87,8 @@ def _committed_generation(tmp_path, k: int):
 
 def test_prepare_computes_the_rows_the_update_would_before_its_first_step(tmp_path):
     """pins (prepare, logprobs_before_steps): the rows of each forward pass (all but the first
-    mini-batch's, whose step computes its own: with run seed 7 and update 2 that is row 1), the
+    mini-batch's, whose step computes its own: with run seed 4 and update 2 that is row 1; a seed
+    derived without the run's seed, the update's iteration or the stage's name puts row 0 first), the
     batch they are of, the reference's rows, what a run without either computes, the record."""
     from hpcrl import commit
     from hpcrl.stage import derive_seed
@@ -95,7 +96,7 @@ def test_prepare_computes_the_rows_the_update_would_before_its_first_step(tmp_pa
     run = _committed_generation(tmp_path, 2)
     responses = [[9], [11, 12], [14, 15, 16]]  # the kept training rows (tests/test_batches.py)
     actor = _Actor(ref=True)
-    assert ahead.steps(actor.exp, [7, 3, 7], derive_seed(7, 2, "update"))[0][1] == [1]
+    assert ahead.steps(actor.exp, [7, 3, 7], derive_seed(4, 2, "update"))[0][1] == [1]
     p = ahead.prepare(actor, run, 2)
     assert actor.calls == [("policy", [0, 2], responses), ("reference", [0, 1, 2], responses)]
     assert p.old == {0: [0.0], 2: [2.0]} and p.ref == {0: [-0.0], 1: [-1.0], 2: [-2.0]}
