@@ -27,7 +27,8 @@ waiting for trainer 0's weights (sync/wait_s), loading them into vLLM (sync/load
 committing the scores; none when the scores run beside the generations, on a thread whose time
 is the generation's), and the rest (the loop between stages, and what of the generation's writes and
 commit, on a thread behind the next one, holds up its core);
-beside them, the trainer's busy time per iteration (its update's compute). An iteration takes at
+beside them, the trainer's busy time per iteration (its update's compute, with the forward
+passes it computed ahead while the generation was scored: hpcrl.update_ahead). An iteration takes at
 least the generator's floor, busy + load + probe (all on its device, between two generations), and
 at least the trainer's busy time, which bounds the mean utilisation by
 (generator busy + trainer busy) / (2 x the longer of the two).
