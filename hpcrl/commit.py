@@ -90,6 +90,7 @@ class StageWriter:
     def __init__(self, tmp: Path):
         self.dir = tmp
         self.tables: dict[str, dict] = {}
+        self.written: dict[str, pa.Table] = {}  # each table as written: who goes on with it reads none back
         self.metrics: dict[str, float] = {}
 
     def write_table(self, name: str, table: pa.Table, schema_name: str | None = None) -> Path:
@@ -100,6 +101,7 @@ class StageWriter:
         pq.write_table(table, path, compression="zstd", write_statistics=True,
                        store_schema=True, use_dictionary=True)
         self.tables[name] = {"file": path.name, "rows": table.num_rows, "schema": schema_name or name}
+        self.written[name] = table
         return path
 
 

@@ -104,6 +104,7 @@ class Controller:
         self.run, self.exp, self.echo = run, exp, echo
         self.show_progress = sys.stderr.isatty() if show_progress is None else show_progress
         self.plotted_the_end = False  # the plots of a complete run are written once
+        self.progress: plan.Progress | None = None  # the drive loop's view of the commits
 
     def run_all(self) -> None:
         with RunLock(self.run):
@@ -157,7 +158,7 @@ class Controller:
         algorithm.max_staleness > 0 the generation of later iterations runs beside an update."""
         queue = self._adopted(executor)
         failures: dict[tuple[int, str], int] = {}
-        progress = plan.Progress(self.run, self.exp)
+        progress = self.progress = plan.Progress(self.run, self.exp)
         try:
             while True:
                 pending = progress.pending()
@@ -225,7 +226,7 @@ class Controller:
         """One job runs every stage; follow its commits as they land (same lines, same MLflow
         logging as the staged mode) and resubmit it, continuing, if it fails."""
         failures: dict[tuple[int, str], int] = {}
-        progress = plan.Progress(self.run, self.exp)
+        progress = self.progress = plan.Progress(self.run, self.exp)
         while progress.pending():
             reported = set(progress.committed)
             job = self._resident_job(executor)
@@ -248,7 +249,7 @@ class Controller:
             pending = progress.pending()
             if pending:
                 rolled = plan.rollback(self.run, self.exp)
-                progress = plan.Progress(self.run, self.exp)  # rollback moved stages aside
+                progress = self.progress = plan.Progress(self.run, self.exp)  # rollback moved stages aside
                 for moved in rolled:
                     self.echo(f"moved aside {moved.name} (its policy version was not saved)")
                 head = executors.StageJob(job.job, "resident", pending[0][0])
@@ -287,7 +288,7 @@ class Controller:
         if stage == UPDATE:
             self.run.publish_policy(k + 1)
             self._prune()
-        if stage == SCORE:
+        if stage == SCORE and tracker.enabled:
             tracker.log_table(sample_rows(self.run, k), f"samples/iter_{k:06d}.json")
         if stage == plan.stages_of(self.exp, k)[-1]:
             self.echo(iteration_line(self.exp, self.run, k))
@@ -295,7 +296,8 @@ class Controller:
             every = self.exp.tracking.plot_every
             # a resident run may be complete while the controller still logs earlier iterations: the
             # plots (read from the run directory) are written once, at the first it sees of the end
-            the_end = not self.plotted_the_end and plan.next_stage(self.run, self.exp) is None
+            progress = self.progress or plan.Progress(self.run, self.exp)  # its look: a few stats
+            the_end = not self.plotted_the_end and not progress.pending()
             if the_end or (every and (k + 1) % every == 0):
                 tracker.log_plots(self.run, self.exp)
                 self.plotted_the_end |= the_end

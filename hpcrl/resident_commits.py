@@ -8,8 +8,9 @@ the rollouts and committing them (a write and fsyncs, on a shared filesystem). T
 devices wait for neither.
 
 Generations commit in the order handed over. A score stage reads its generation only once that
-is committed (`wait`), so no stage commits on an input that is not. Once a commit fails, none
-after it commits; the failure is raised where its generation is next needed (`wait`, `check`).
+is committed (`wait`), so no stage commits on an input that is not, and takes the rollouts as
+they were committed (`written`) rather than reading them back. Once a commit fails, none after it
+commits; the failure is raised where its generation is next needed (`wait`, `check`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class CommitsBehind:
         self._handed: set[int] = set()
         self._pending: dict[int, Future] = {}  # those not seen committed yet (`check`)
         self._failed: int | None = None  # the first generation whose commit failed: none after it commits
+        self._written: dict[int, dict] = {}  # the tables of each committed generation not taken yet
 
     def submit(self, k: int, attempt: OpenStage, rest: Callable[[StageContext], None]) -> None:
         """Finish the generate stage of iteration k (`attempt`, its sampling done) on the thread:
@@ -46,6 +48,7 @@ class CommitsBehind:
         except BaseException:
             self._failed = k
             raise
+        self._written[k] = attempt.ctx.writer.written
 
     def handed(self, k: int) -> bool:
         """Whether generation k is the thread's (committed, or to be)."""
@@ -58,6 +61,11 @@ class CommitsBehind:
         for future in futures:
             if future is not None:
                 future.result()
+
+    def written(self, k: int) -> dict:
+        """The tables generation k committed, by name, once (after `wait(k)`); none when this
+        object did not commit it (an earlier attempt did). Safe from any thread."""
+        return self._written.pop(k, {})
 
     def check(self) -> None:
         """Raise the failure of a commit that has ended, if any; forget those that succeeded."""

@@ -200,10 +200,12 @@ class Generator:
         scoring thread); the trainers meanwhile compute the part of update k that needs no scores
         (hpcrl.update_ahead: its commands come in order, after update k - 1's)."""
         self.commits.wait(k)
+        rollouts = self.commits.written(k).get("rollouts")  # as committed, not read back
         updates = plan.trains(self.exp, k) and not commit.is_committed(self.run.stage_dir(k, UPDATE))
         if updates and not self.colocated:
             self.plane.send({"op": "prepare", "iteration": k})  # what update k needs no score for
-        run_stage(SCORE, self.run.root, k, self.score.run, startup=0.0, beside=beside)
+        run_stage(SCORE, self.run.root, k, lambda ctx: self.score.run(ctx, rollouts), startup=0.0,
+                  beside=beside)
 
     def _hold(self, version: int) -> None:
         """The engine holds policy `version` for the next generation: the updates in flight up to

@@ -59,7 +59,7 @@ def engine_logprobs(llm, sequences: list[list[int]]) -> list[list[float]]:
 
     outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences],
                         SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False,
-                                       flat_logprobs=True),
+                                       flat_logprobs=True, skip_clone=True),
                         use_tqdm=False)
     return [token_logprobs(o.prompt_logprobs, list(s[1:])) for o, s in zip(outs, sequences, strict=True)]
 

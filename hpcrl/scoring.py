@@ -162,8 +162,8 @@ class ScoreStage(Stage):
             self.pool = ProcessPoolExecutor(self.exp.reward.workers,
                                             mp_context=multiprocessing.get_context("spawn"))
 
-    def run(self, ctx: StageContext) -> None:
-        score_stage(ctx, self.pool)
+    def run(self, ctx: StageContext, rollouts: pa.Table | None = None) -> None:
+        score_stage(ctx, self.pool, rollouts)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -171,15 +171,17 @@ class ScoreStage(Stage):
             self.pool = None
 
 
-def score_stage(ctx: StageContext, pool=None) -> None:
+def score_stage(ctx: StageContext, pool=None, rollouts: pa.Table | None = None) -> None:
     """The score stage of ctx.iteration; the reward functions run on `pool` (an Executor of
-    reward worker processes, kept by the resident mode) when given."""
+    reward worker processes, kept by the resident mode) when given. `rollouts`: the generation's
+    table as committed, from the caller that committed it (the resident generator); else read."""
     from hpcrl import commit
 
     gen = ctx.input_dir(GENERATE)
     ctx.policy_version = commit.read_manifest(gen)["policy_version"]
     with ctx.timed("io"):
-        rollouts = commit.read_table(gen, "rollouts", columns=INPUT_COLUMNS)
+        rollouts = (commit.read_table(gen, "rollouts", columns=INPUT_COLUMNS) if rollouts is None
+                    else rollouts.select(INPUT_COLUMNS))
     if ctx.shard:  # one of executor.score.tasks tasks: a contiguous part (hpcrl.shards)
         start, stop = shards.part(rollouts.num_rows, *ctx.shard)
         rollouts = rollouts.slice(start, stop - start)

@@ -177,6 +177,32 @@ def test_the_plots_are_written_every_plot_every_iterations_and_once_at_the_end(t
     assert plotted == [0, 1, 3, 5]  # the end (seen at 0), then every 2nd; 5: the final validation
 
 
+def test_the_controller_looks_for_the_end_through_its_drive_loops_view(tmp_path, monkeypatch):
+    """Each iteration the controller logs asks whether the run is complete: it asks the drive loop's
+    view of the commits, which looks again only at the stages it has not seen committed, and it
+    reads no sample tables when tracking is off. pins: a fresh look at every stage of the run
+    per iteration (a run of N iterations then costs N^2 stats), and the samples read for nothing."""
+    from hpcrl import commit, config, plan
+    from hpcrl.tracking import Tracker
+    from tests.synthetic_run import make_run
+
+    run = make_run(tmp_path / "seen", iterations=5, rows=16)  # complete
+    exp = config.with_overrides(config.load(run.config_path), {"tracking.enabled": False}, "test")
+    tracker = Tracker(run, exp)
+    plotted = []
+    monkeypatch.setattr(tracker, "log_plots", lambda r, e: plotted.append(k))
+    controller = Controller(run, exp, echo=lambda line: None, show_progress=False)
+    controller.progress = plan.Progress(run, exp)
+    assert controller.progress.pending() == []  # the drive loop has seen every commit
+    looked, read = [], []
+    monkeypatch.setattr(commit, "is_committed", lambda d: looked.append(d) or True)
+    monkeypatch.setattr(commit, "read_table", lambda *a, **kw: read.append(a))
+    for k in range(exp.run.iterations):
+        for stage in plan.stages_of(exp, k):
+            controller._after_commit(tracker, k, stage)
+    assert plotted == [0] and looked == [] and read == []
+
+
 def test_an_unreachable_webhook_is_reported_and_does_not_stop_the_run():
     error = alerts.post("http://127.0.0.1:9/nowhere", {"rule": "kl_max"}, timeout_s=2)
     assert error is not None and ("Connection refused" in error or "URLError" in error)

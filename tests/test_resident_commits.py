@@ -56,6 +56,36 @@ def test_a_generation_commits_behind_the_caller_in_order_and_a_wait_returns_once
     commits.check()  # nothing failed
 
 
+def test_a_committed_generation_hands_its_tables_over_once_and_a_failed_one_none(run):
+    """The score stage takes the rollouts as its generation committed them, not read back.
+    pins: tables handed over before their commit, or of a commit that failed (a score of an
+    uncommitted input), or kept after they were taken (a run's every generation in memory)."""
+    from tests.synthetic_run import rollouts_table
+
+    def rest(k: int):
+        def write(ctx) -> None:
+            ctx.writer.write_table("rollouts", rollouts_table(k, 4, 2, group_size=2, max_tokens=4))
+            if k == 1:
+                raise OSError(28, "No space left on device")
+        return write
+
+    commits, gate = CommitsBehind(), threading.Event()
+    commits.submit(0, OpenStage("generate", run.root, 0, startup=0.0),
+                   lambda ctx: (gate.wait(10), rest(0)(ctx)))
+    assert commits.written(0) == {}  # not committed yet
+    gate.set()
+    commits.wait(0)
+    written = commits.written(0)
+    assert set(written) == {"rollouts"}
+    assert written["rollouts"].equals(commit.read_table(run.stage_dir(0, "generate"), "rollouts"))
+    assert commits.written(0) == {}  # taken once
+    commits.submit(1, OpenStage("generate", run.root, 1, startup=0.0), rest(1))
+    with pytest.raises(OSError):
+        commits.wait(1)
+    assert commits.written(1) == {}
+    commits.close()
+
+
 def test_after_a_failed_commit_none_commits_and_the_failure_reaches_the_caller(run):
     """pins: a failure lost on the thread, or a later generation committed after an earlier one
     failed; the failed attempt releases its stage lock, so a resumed run can redo it."""

@@ -130,6 +130,29 @@ def test_the_score_stage_scores_the_generation_with_the_experiments_settings(tmp
     assert m["utilisation"]["busy_s"] == m["timings"]["compute"]
 
 
+def test_a_score_stage_given_the_committed_rollouts_commits_what_it_commits_reading_them(tmp_path,
+                                                                                        monkeypatch):
+    """The resident generator hands each score stage the rollouts its generation committed
+    (hpcrl.resident_commits): it reads none back, and the scores file is the same, byte for byte,
+    as one that read them. pins: a handed table ignored, or scored in another order or with other
+    columns than the read one."""
+    from hpcrl import commit
+    from hpcrl.stage import run_stage
+
+    _generated(tmp_path / "read")
+    run_stage("score", tmp_path / "read", 0, scoring.score_stage, startup=0.0)
+    _generated(tmp_path / "handed")
+    rollouts = commit.read_table(tmp_path / "handed" / "iter_000000" / "generate", "rollouts")
+    handed = pa.concat_tables([rollouts.slice(0, 5), rollouts.slice(5)])  # as sampled: in parts
+    read = commit.read_table
+    monkeypatch.setattr(commit, "read_table", lambda d, name, **kw: (
+        pytest.fail("read the rollouts back") if name == "rollouts" else read(d, name, **kw)))
+    run_stage("score", tmp_path / "handed", 0, lambda ctx: scoring.score_stage(ctx, None, handed),
+              startup=0.0)
+    files = [tmp_path / r / "iter_000000" / "score" / "scores.parquet" for r in ("read", "handed")]
+    assert files[0].read_bytes() == files[1].read_bytes()
+
+
 def test_score_shards_merge_into_what_one_stage_scores(tmp_path):
     from hpcrl import commit
     from hpcrl.stage import run_stage
