@@ -233,7 +233,7 @@ def train_requests(exp: Experiment, iteration: int, tokenizer, prompts: pa.Table
         prompts = data.prompt_set(exp, "train", tokenizer).table
     rows = data.draw_prompts(prompts.num_rows, exp.algorithm.prompts_per_iteration, iteration, exp.run.seed,
                              sampling_round)
-    return tuple(_request("train", int(i), prompts, tokenizer) for i in rows)
+    return _requests("train", [int(i) for i in rows], prompts, tokenizer)
 
 
 def val_requests(exp: Experiment, iteration: int, tokenizer) -> tuple[Request, ...]:
@@ -241,7 +241,7 @@ def val_requests(exp: Experiment, iteration: int, tokenizer) -> tuple[Request, .
         return ()
     prompts = data.prompt_set(exp, "test", tokenizer).table
     n = min(prompts.num_rows, exp.data.max_val_prompts or prompts.num_rows)
-    return tuple(_request("val", i, prompts, tokenizer) for i in range(n))
+    return _requests("val", list(range(n)), prompts, tokenizer)
 
 
 def requests_for(exp: Experiment, iteration: int,
@@ -250,9 +250,11 @@ def requests_for(exp: Experiment, iteration: int,
     return train_requests(exp, iteration, tokenizer), val_requests(exp, iteration, tokenizer)
 
 
-def _request(split: str, i: int, prompts: pa.Table, tokenizer) -> Request:
-    return Request(split, i, prompts["data_source"][i].as_py(),
-                   data.render(tokenizer, prompts["prompt"][i].as_py()), prompts["ground_truth"][i].as_py())
+def _requests(split: str, indices: list[int], prompts: pa.Table, tokenizer) -> tuple[Request, ...]:
+    """The requests of the prompts at `indices` (their rows taken at once, not a cell at a time)."""
+    rows = prompts.select(["data_source", "prompt", "ground_truth"]).take(indices).to_pylist()
+    return tuple(Request(split, i, r["data_source"], data.render(tokenizer, r["prompt"]), r["ground_truth"])
+                 for i, r in zip(indices, rows, strict=True))
 
 
 def sample_rollouts(ctx, llm, version: int, pool=None, committed: bool = True) -> pa.Table:
