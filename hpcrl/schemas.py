@@ -121,11 +121,15 @@ class SchemaError(ValueError):
 def conform(name: str, table: pa.Table) -> pa.Table:
     """Return `table` with the columns, order and types of the `name` schema, or raise SchemaError."""
     schema = TABLES[name]
-    missing = [f.name for f in schema if f.name not in table.column_names]
-    extra = [c for c in table.column_names if c not in schema.names]
+    wanted, have = schema.names, table.column_names
+    missing = [c for c in wanted if c not in have]
+    extra = [c for c in have if c not in wanted]
     if missing or extra:
         raise SchemaError(f"table {name!r}: missing columns {missing}, unexpected columns {extra}")
+    table = table.select(wanted)
+    if table.schema.equals(schema, check_metadata=True):  # as it is: no cast (a pass over every column)
+        return table
     try:
-        return table.select(schema.names).cast(schema)
+        return table.cast(schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as err:
         raise SchemaError(f"table {name!r} does not match schema v{SCHEMA_VERSION}: {err}") from err

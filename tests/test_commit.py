@@ -76,6 +76,27 @@ def test_schema_is_enforced(tmp_path):
         w.write_table("scores", _scores().drop_columns(["reward_message"]))
 
 
+def test_a_table_is_written_in_its_schema_whether_it_came_in_it_or_not(tmp_path):
+    """A table that already has its schema is written as it is (no cast); any other is cast to it,
+    extra columns and reordered ones included; the file is the same either way. pins: a table
+    with other types, other metadata or a column too many written as it came."""
+    from tests.synthetic_run import rollouts_table
+
+    conformed = schemas.conform("rollouts", rollouts_table(0, 4, 2, group_size=2, max_tokens=4))
+    loose = pa.table({c: conformed[c].to_pylist() for c in reversed(conformed.column_names)})
+    assert not loose.schema.equals(schemas.ROLLOUTS)  # inferred: int64 for int32, double for float
+    tagged = conformed.replace_schema_metadata({"pandas": "{}"})
+    paths = []
+    for i, table in enumerate((conformed, loose, tagged)):
+        out = schemas.conform("rollouts", table)
+        assert out.schema.equals(schemas.ROLLOUTS, check_metadata=True) and out.equals(conformed)
+        writer = commit.StageWriter(commit.fresh_temp_dir(tmp_path / str(i)))
+        paths.append(writer.write_table("rollouts", table))
+    assert paths[0].read_bytes() == paths[1].read_bytes() == paths[2].read_bytes()
+    with pytest.raises(schemas.SchemaError, match="unexpected columns \\['extra'\\]"):
+        schemas.conform("rollouts", conformed.append_column("extra", pa.array([0] * conformed.num_rows)))
+
+
 def test_commit_moves_the_staged_directory_into_place_and_does_not_copy_it(tmp_path):
     """Pins: the rename replaced by a copy of the temporary directory followed by its deletion.
     A copy is not atomic (a reader can see the manifest before the data); a rename keeps the
