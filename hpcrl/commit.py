@@ -97,9 +97,11 @@ class StageWriter:
         """Write `table` as `<name>.parquet`, conformed to its stage-contract schema."""
         table = schemas.conform(schema_name or name, table)
         path = self.dir / f"{name}.parquet"
-        # Fixed writer settings so the same table gives the same bytes.
+        # Fixed writer settings so the same table gives the same bytes; dictionaries for the text
+        # columns only (numbers and token lists rarely repeat: trying costs more than it saves)
+        text = [f.name for f in table.schema if pa.types.is_string(f.type)]
         pq.write_table(table, path, compression="zstd", write_statistics=True,
-                       store_schema=True, use_dictionary=True)
+                       store_schema=True, use_dictionary=text)
         self.tables[name] = {"file": path.name, "rows": table.num_rows, "schema": schema_name or name}
         self.written[name] = table
         return path
