@@ -97,6 +97,27 @@ def test_a_table_is_written_in_its_schema_whether_it_came_in_it_or_not(tmp_path)
         schemas.conform("rollouts", conformed.append_column("extra", pa.array([0] * conformed.num_rows)))
 
 
+def test_a_table_is_written_with_the_fixed_settings_and_kept_as_written(tmp_path):
+    """The writer's settings are fixed (the same table, the same bytes): zstd, statistics, the
+    Arrow schema stored, dictionaries for the text columns alone; the table it wrote stays at hand
+    (the resident score takes its generation's rollouts from there). pins: a setting dropped or
+    changed, or the written table not kept."""
+    import pyarrow.parquet as pq
+
+    from tests.synthetic_run import rollouts_table
+
+    writer = commit.StageWriter(commit.fresh_temp_dir(tmp_path / "generate"))
+    table = rollouts_table(0, 4, 2, group_size=2, max_tokens=4)
+    path = writer.write_table("rollouts", table)
+    assert writer.written["rollouts"].equals(schemas.conform("rollouts", table))
+    meta = pq.ParquetFile(path).metadata.row_group(0)
+    columns = {meta.column(i).path_in_schema.split(".")[0]: meta.column(i) for i in range(meta.num_columns)}
+    assert all(c.compression == "ZSTD" and c.statistics is not None for c in columns.values())
+    dictionary = {name for name, c in columns.items() if "RLE_DICTIONARY" in c.encodings}
+    assert dictionary == {f.name for f in schemas.ROLLOUTS if f.type == pa.string()}
+    assert b"ARROW:schema" in pq.ParquetFile(path).metadata.metadata
+
+
 def test_commit_moves_the_staged_directory_into_place_and_does_not_copy_it(tmp_path):
     """Pins: the rename replaced by a copy of the temporary directory followed by its deletion.
     A copy is not atomic (a reader can see the manifest before the data); a rename keeps the
