@@ -159,11 +159,10 @@ def sample(llm, requests: list[Request], n: int, temperature: float, top_p: floa
     """n samples per request; each request has its own seed, so results do not depend on batching.
     Training rows come out `kept` (dynamic sampling may unmark them).
 
-    vLLM's per-token work in Python is kept to what rollouts need (docs/benchmarks.md): the prompts
-    go in as token ids (`prompt_ids`, one batch call to the tokenizer, not one per prompt); the
-    responses come out as token ids (detokenize=False), decoded here in one batch (`response_texts`);
-    the sampled tokens' logprobs come out as flat lists (flat_logprobs), not a dict per token; each
-    request's parameters are its own, so vLLM copies them shallowly (skip_clone), not deeply (28 us each)."""
+    vLLM's per-token work in Python is kept to what rollouts need (docs/benchmarks.md): prompts go in
+    as token ids (`prompt_ids`, one tokenizer call); responses come out as token ids (detokenize=False),
+    decoded here in one batch (`response_texts`), their logprobs as flat lists (flat_logprobs); each
+    request's parameters are its own, so vLLM copies them shallowly (skip_clone), not deeply."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -244,15 +243,8 @@ def val_requests(exp: Experiment, iteration: int, tokenizer) -> tuple[Request, .
     return _requests("val", list(range(n)), prompts, tokenizer)
 
 
-def requests_for(exp: Experiment, iteration: int,
-                 tokenizer) -> tuple[tuple[Request, ...], tuple[Request, ...]]:
-    """(train requests of round 0, validation requests) of an iteration."""
-    return train_requests(exp, iteration, tokenizer), val_requests(exp, iteration, tokenizer)
-
-
 def _requests(split: str, indices: list[int], prompts: pa.Table, tokenizer) -> tuple[Request, ...]:
-    """The requests of the prompts at `indices` (their rows taken at once, not a cell at a time)."""
-    rows = prompts.select(["data_source", "prompt", "ground_truth"]).take(indices).to_pylist()
+    rows = prompts.select(["data_source", "prompt", "ground_truth"]).take(indices).to_pylist()  # at once
     return tuple(Request(split, i, r["data_source"], data.render(tokenizer, r["prompt"]), r["ground_truth"])
                  for i, r in zip(indices, rows, strict=True))
 

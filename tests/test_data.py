@@ -205,7 +205,7 @@ def test_too_few_prompts_left_after_the_filter(tmp_path, write_experiment):
 def test_the_generate_stage_never_draws_a_filtered_prompt(tmp_path, write_experiment, tiny_task, monkeypatch):
     from transformers import AutoTokenizer
 
-    from hpcrl.generation import requests_for
+    from hpcrl.generation import train_requests, val_requests
 
     monkeypatch.delenv("HPCRL_CACHE_DIR")  # the default cache, under runs_root
     path, short, long = _addition_prompts(tmp_path)
@@ -223,7 +223,7 @@ def test_the_generate_stage_never_draws_a_filtered_prompt(tmp_path, write_experi
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", no_tokenizer)
     drawn, validated = set(), set()
     for k in range(exp.run.iterations + 1):
-        train, val = requests_for(exp, k, tok)
+        train, val = train_requests(exp, k, tok), val_requests(exp, k, tok)
         drawn |= {r.prompt_text for r in train}
         validated |= {r.prompt_text for r in val}
     expect = {data.render(tok, json.dumps([{"role": "user", "content": s}])) for s in short}
