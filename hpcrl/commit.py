@@ -100,11 +100,37 @@ class StageWriter:
         # Fixed writer settings so the same table gives the same bytes; dictionaries for the text
         # columns only (numbers and token lists rarely repeat: trying costs more than it saves)
         text = [f.name for f in table.schema if pa.types.is_string(f.type)]
-        pq.write_table(table, path, compression="zstd", write_statistics=True,
+        pq.write_table(table, path, compression=compression(table), write_statistics=True,
                        store_schema=True, use_dictionary=text)
         self.tables[name] = {"file": path.name, "rows": table.num_rows, "schema": schema_name or name}
         self.written[name] = table
         return path
+
+
+COMPRESS_BYTES = 16 << 10  # a column smaller in memory is stored uncompressed
+
+
+def compression(table: pa.Table) -> dict[str, str]:
+    """The codec of each column: zstd for a column of at least COMPRESS_BYTES, none below. A small
+    column saves at most a few KB compressed, and each column chunk costs the codec a context of
+    its own: a table of a few hundred rows (an update's stats, a small batch's scores) writes in
+    half the time, and one of a single row is smaller uncompressed (tools/bench_commit.py)."""
+    return {leaf: "zstd" if column.nbytes >= COMPRESS_BYTES else "none"
+            for field, column in zip(table.schema, table.columns, strict=True)
+            for leaf in _leaf_paths(field.name, field.type)}
+
+
+def _leaf_paths(name: str, type_: pa.DataType) -> list[str]:
+    """The Parquet paths of a column's leaves, which per-column settings name (a list's values are
+    `<name>.list.element`, a map's `<name>.key_value.key` and `.value`)."""
+    if pa.types.is_list(type_) or pa.types.is_large_list(type_):
+        return _leaf_paths(f"{name}.list.element", type_.value_type)
+    if pa.types.is_map(type_):
+        return [*_leaf_paths(f"{name}.key_value.key", type_.key_type),
+                *_leaf_paths(f"{name}.key_value.value", type_.item_type)]
+    if pa.types.is_struct(type_):
+        return [leaf for child in type_ for leaf in _leaf_paths(f"{name}.{child.name}", child.type)]
+    return [name]
 
 
 def _checksums(root: Path) -> dict[str, dict]:

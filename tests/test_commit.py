@@ -98,21 +98,26 @@ def test_a_table_is_written_in_its_schema_whether_it_came_in_it_or_not(tmp_path)
 
 
 def test_a_table_is_written_with_the_fixed_settings_and_kept_as_written(tmp_path):
-    """The writer's settings are fixed (the same table, the same bytes): zstd, statistics, the
-    Arrow schema stored, dictionaries for the text columns alone; the table it wrote stays at hand
-    (the resident score takes its generation's rollouts from there). pins: a setting dropped or
-    changed, or the written table not kept."""
+    """The writer's settings are fixed (the same table, the same bytes): zstd for the columns of at
+    least COMPRESS_BYTES (a list's values too), none for smaller ones, statistics, the Arrow schema
+    stored, dictionaries for the text columns alone; the table it wrote stays at hand (the resident
+    score takes its generation's rollouts from there). pins: a setting dropped or changed, a list
+    column's values left uncompressed, or the written table not kept."""
     import pyarrow.parquet as pq
 
     from tests.synthetic_run import rollouts_table
 
     writer = commit.StageWriter(commit.fresh_temp_dir(tmp_path / "generate"))
-    table = rollouts_table(0, 4, 2, group_size=2, max_tokens=4)
+    table = rollouts_table(0, 512, 2, group_size=8, max_tokens=64)
     path = writer.write_table("rollouts", table)
     assert writer.written["rollouts"].equals(schemas.conform("rollouts", table))
     meta = pq.ParquetFile(path).metadata.row_group(0)
     columns = {meta.column(i).path_in_schema.split(".")[0]: meta.column(i) for i in range(meta.num_columns)}
-    assert all(c.compression == "ZSTD" and c.statistics is not None for c in columns.values())
+    written = writer.written["rollouts"]
+    big = {name for name in columns if written[name].nbytes >= commit.COMPRESS_BYTES}
+    assert {"response_ids", "logprobs"} <= big and "iteration" not in big
+    assert {name for name, c in columns.items() if c.compression == "ZSTD"} == big
+    assert all(c.statistics is not None for c in columns.values())
     dictionary = {name for name, c in columns.items() if "RLE_DICTIONARY" in c.encodings}
     assert dictionary == {f.name for f in schemas.ROLLOUTS if f.type == pa.string()}
     assert b"ARROW:schema" in pq.ParquetFile(path).metadata.metadata
@@ -373,18 +378,24 @@ def test_a_table_written_under_another_schema_records_that_schema(tmp_path):
 
 
 def test_tables_are_written_with_the_fixed_parquet_settings(tmp_path):
-    """Pins: the writer settings that make a table's file what readers rely on: zstd compression,
-    column statistics (row-group filtering), dictionary encoding, and the Arrow schema stored in the
-    file (the contract's exact types on read). Any of them dropped to another value changes the
-    bytes of every output."""
+    """Pins: the writer settings that make a table's file what readers rely on: zstd compression
+    of large columns (a map's keys and values too), column statistics (row-group filtering),
+    dictionary encoding, and the Arrow schema stored in the file (the contract's exact types on
+    read). Any of them dropped to another value changes the bytes of every output."""
     import pyarrow.parquet as pq
 
     w = commit.StageWriter(commit.fresh_temp_dir(tmp_path / "score"))
-    path = w.write_table("scores", _scores())
+    path = w.write_table("scores", _scores(2048))
     meta = pq.ParquetFile(path).metadata
     split = meta.row_group(0).column(0)
     assert split.path_in_schema == "split"
     assert split.compression == "ZSTD" and split.is_stats_set and "RLE_DICTIONARY" in split.encodings
+    chunks = [meta.row_group(0).column(i) for i in range(meta.num_columns)]
+    components = {c.path_in_schema.split(".", 1)[1]: c.compression for c in chunks
+                  if c.path_in_schema.startswith("reward_components.")}
+    assert components == {"key_value.key": "ZSTD", "key_value.value": "ZSTD"}
+    small = pq.ParquetFile(w.write_table("scores", _scores())).metadata.row_group(0)
+    assert {small.column(i).compression for i in range(small.num_columns)} == {"UNCOMPRESSED"}
     assert b"ARROW:schema" in meta.metadata
 
 

@@ -11,6 +11,11 @@ the demo's 256 rows) and a checkpoint's (`checkpoint-files` files of `file-mb` M
 state's shards). `--root` must be on the filesystem to measure (a shared one on a cluster: Lustre
 and GPFS serve fsyncs side by side from several servers). The table gives the median milliseconds
 of the commit call; both ways must commit the same files with the same checksums.
+
+A second table: what writing a table costs (`StageWriter.write_table`: zstd for the columns of at
+least `commit.COMPRESS_BYTES`, none for smaller ones) against zstd for every column, for an update's
+stats (2 rows), the demo's scores and rollouts (256 rows) and a large batch's rollouts (1024
+samples of 512 tokens): the median thread-CPU milliseconds of the write and the file's size.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -93,6 +99,51 @@ def measure(root: Path, kind: str, repeats: int, files: int, file_mb: float) -> 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def rollouts_table(samples: int, tokens: int) -> pa.Table:
+    """A rollouts table of `samples` responses of `tokens` tokens (prompts of 32)."""
+    rng = np.random.default_rng(0)
+    ids = lambda n: pa.array(list(rng.integers(0, 32000, (samples, n))), pa.list_(pa.int64()))  # noqa: E731
+    return schemas.conform("rollouts", pa.table({
+        "iteration": [0] * samples, "split": ["train"] * samples,
+        "prompt_index": [i // 8 for i in range(samples)], "sample_index": [i % 8 for i in range(samples)],
+        "data_source": ["demo"] * samples,
+        "prompt_text": [f"What is {i // 8} + 1?" for i in range(samples)], "ground_truth": ["1"] * samples,
+        "prompt_ids": ids(32), "response_ids": ids(tokens),
+        "logprobs": pa.array(list(-rng.random((samples, tokens))), pa.list_(pa.float64())),
+        "response_text": ["x " * tokens] * samples, "finish_reason": ["length"] * samples,
+        "policy_version": [0] * samples, "round": [0] * samples, "kept": [True] * samples}))
+
+
+def stats_table(steps: int = 2) -> pa.Table:
+    return pa.Table.from_pylist([{"step": s, "epoch": 0, "loss": 0.1 * s, "lr": 1e-5, "tokens": 100.0}
+                                 for s in range(steps)], schema=schemas.UPDATE_STATS)
+
+
+def measure_writes(root: Path, repeats: int) -> list[tuple[str, dict]]:
+    """Thread-CPU ms and bytes of each table written both ways, alternately."""
+    tables = {"stats (2 rows)": ("stats", stats_table()), "scores (256 rows)": ("scores", scores_table()),
+              "rollouts (256 x 8 tokens)": ("rollouts", rollouts_table(256, 8)),
+              "rollouts (1024 x 512 tokens)": ("rollouts", rollouts_table(1024, 512))}
+    ways = {"zstd, every column": lambda t: "zstd", "by size (hpcrl)": commit.compression}
+    rows = []
+    for label, (schema, table) in tables.items():
+        table = schemas.conform(schema, table)
+        text = [f.name for f in table.schema if pa.types.is_string(f.type)]
+        times: dict[str, list[float]] = {w: [] for w in ways}
+        sizes = {}
+        for r in range(repeats + 3):
+            for name, codec in ways.items() if r % 2 == 0 else reversed(ways.items()):
+                path = root / "table.parquet"
+                t0 = time.thread_time()
+                pq.write_table(table, path, compression=codec(table), write_statistics=True,
+                               store_schema=True, use_dictionary=text)
+                if r >= 3:  # the first writes warm up
+                    times[name].append(time.thread_time() - t0)
+                sizes[name] = path.stat().st_size
+        rows.append((label, {name: (statistics.median(times[name]), sizes[name]) for name in ways}))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=None, help="a directory on the filesystem to measure")
@@ -110,6 +161,15 @@ def main() -> None:
     for kind, row in rows.items():
         old, new = row["one after another"], row["hpcrl (side by side)"]
         print(f"| {kind} | {old * 1000:.2f} | {new * 1000:.2f} | {old / new:.2f}x |")
+    with tempfile.TemporaryDirectory(prefix="hpcrl-bench-write-", dir=args.root) as tmp:
+        writes = measure_writes(Path(tmp), args.repeats)
+    print(f"\nmedian thread-CPU ms of a table's write over {args.repeats} repeats, and its file's bytes")
+    print("| table | zstd, every column | by size (hpcrl) | speed-up | bytes (every column) "
+          "| bytes (by size) |")
+    print("|---|---|---|---|---|---|")
+    for label, row in writes:
+        (old, old_b), (new, new_b) = row["zstd, every column"], row["by size (hpcrl)"]
+        print(f"| {label} | {old * 1000:.2f} | {new * 1000:.2f} | {old / new:.2f}x | {old_b} | {new_b} |")
 
 
 if __name__ == "__main__":
