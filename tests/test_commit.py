@@ -377,6 +377,26 @@ def test_a_table_written_under_another_schema_records_that_schema(tmp_path):
                         "scores": {"file": "scores.parquet", "rows": 1, "schema": "scores"}}
 
 
+def test_the_codecs_name_every_column_chunk_of_every_contract_and_compress_from_the_threshold(tmp_path):
+    """commit.compression names each Parquet leaf of every stage-contract table (a name pyarrow
+    does not know leaves its chunk uncompressed, silently), and compresses a column of exactly
+    COMPRESS_BYTES. pins: a list's or a map's leaf path misspelt, a new nested type not handled,
+    the threshold exclusive."""
+    import pyarrow.parquet as pq
+
+    for name, schema in schemas.TABLES.items():
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(schema.empty_table(), path)
+        meta = pq.ParquetFile(path).metadata
+        leaves = {meta.schema.column(i).path for i in range(meta.num_columns)}
+        assert set(commit.compression(schema.empty_table())) == leaves, name
+    n = commit.COMPRESS_BYTES // 8
+    exact = pa.table({"a": pa.array(range(n), pa.int64()), "b": pa.array(range(n), pa.int32())})
+    assert exact["a"].nbytes == commit.COMPRESS_BYTES
+    assert commit.compression(exact) == {"a": "zstd", "b": "none"}
+    assert commit.compression(exact.slice(1)) == {"a": "none", "b": "none"}
+
+
 def test_tables_are_written_with_the_fixed_parquet_settings(tmp_path):
     """Pins: the writer settings that make a table's file what readers rely on: zstd compression
     of large columns (a map's keys and values too), column statistics (row-group filtering),
