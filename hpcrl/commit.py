@@ -97,14 +97,20 @@ class StageWriter:
         """Write `table` as `<name>.parquet`, conformed to its stage-contract schema."""
         table = schemas.conform(schema_name or name, table)
         path = self.dir / f"{name}.parquet"
-        # Fixed writer settings so the same table gives the same bytes; dictionaries for the text
-        # columns only (numbers and token lists rarely repeat: trying costs more than it saves)
-        text = [f.name for f in table.schema if pa.types.is_string(f.type)]
-        pq.write_table(table, path, compression=compression(table), write_statistics=True,
-                       store_schema=True, use_dictionary=text)
+        write_parquet(table, path)
         self.tables[name] = {"file": path.name, "rows": table.num_rows, "schema": schema_name or name}
         self.written[name] = table
         return path
+
+
+def write_parquet(table: pa.Table, path: Path, codecs: str | dict[str, str] | None = None) -> None:
+    """`table` as a Parquet file with the fixed writer settings, so the same table gives the same
+    bytes: each column's codec by its size (`compression`; `codecs` overrides it, for a benchmark's
+    reference), statistics, the Arrow schema stored, dictionaries for the text columns only
+    (numbers and token lists rarely repeat: trying costs more than it saves)."""
+    text = [f.name for f in table.schema if pa.types.is_string(f.type)]
+    pq.write_table(table, path, compression=compression(table) if codecs is None else codecs,
+                   write_statistics=True, store_schema=True, use_dictionary=text)
 
 
 COMPRESS_BYTES = 16 << 10  # a column smaller in memory is stored uncompressed

@@ -380,8 +380,8 @@ def test_a_table_written_under_another_schema_records_that_schema(tmp_path):
 def test_the_codecs_name_every_column_chunk_of_every_contract_and_compress_from_the_threshold(tmp_path):
     """commit.compression names each Parquet leaf of every stage-contract table (a name pyarrow
     does not know leaves its chunk uncompressed, silently), and compresses a column of exactly
-    COMPRESS_BYTES. pins: a list's or a map's leaf path misspelt, a new nested type not handled,
-    the threshold exclusive."""
+    COMPRESS_BYTES; a codec given to write_parquet overrides them. pins: a list's or a map's leaf
+    path misspelt, a new nested type not handled, the threshold exclusive, the override ignored."""
     import pyarrow.parquet as pq
 
     for name, schema in schemas.TABLES.items():
@@ -395,6 +395,9 @@ def test_the_codecs_name_every_column_chunk_of_every_contract_and_compress_from_
     assert exact["a"].nbytes == commit.COMPRESS_BYTES
     assert commit.compression(exact) == {"a": "zstd", "b": "none"}
     assert commit.compression(exact.slice(1)) == {"a": "none", "b": "none"}
+    commit.write_parquet(exact, tmp_path / "zstd.parquet", "zstd")  # a benchmark's reference codec
+    every = pq.ParquetFile(tmp_path / "zstd.parquet").metadata.row_group(0)
+    assert {every.column(i).compression for i in range(every.num_columns)} == {"ZSTD"}
 
 
 def test_tables_are_written_with_the_fixed_parquet_settings(tmp_path):
